@@ -7,6 +7,8 @@ absolute position, so a token's rotation never depends on where its K/V row is s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -45,3 +47,36 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x1 = x[..., 0::2]
     x2 = x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(scale) + 1 for scale > 1, else 1."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_positions: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
+    """YaRN inverse frequencies (DeepSeek-V3 / HF convention).
+
+    High-frequency pairs (more than `beta_fast` rotations over the original context) keep their
+    frequency; low-frequency pairs (fewer than `beta_slow`) are divided by `factor`; a linear ramp
+    blends the pairs in between. The cos/sin attention factor and the softmax mscale are separate
+    (see `yarn_get_mscale`) because checkpoints configure them separately.
+    """
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = rope_inv_freq(dim, theta)
+    interpolation = extrapolation / factor
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
