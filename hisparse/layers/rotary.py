@@ -13,7 +13,7 @@ import torch
 
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
 
 
 class RotaryEmbedding:
@@ -23,7 +23,7 @@ class RotaryEmbedding:
                  attention_scale: float = 1.0) -> None:
         self.dim = dim
         inv = rope_inv_freq(dim, theta) if inv_freq is None else inv_freq.double()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv.cpu())
         self.cos = (freqs.cos() * attention_scale).float()
         self.sin = (freqs.sin() * attention_scale).float()
 

@@ -1,0 +1,59 @@
+"""The one door through which every attention layer reads and writes the KV cache.
+
+A model computes q, k and v and hands them to an `AttentionBackend`; the backend alone knows where
+the cache lives (a plain tensor, a paged device pool, a host pool behind a hot buffer) and which past
+tokens a query may see (all of them, or the top-k its indexer picked). That keeps the model code free
+of the memory hierarchy, and lets the engine swap dense, sparse and offloaded attention without touching
+the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,
+               index_w: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] for the N new tokens of the batch (already rotated).
+
+        index_*: the layer's lightning-indexer query [N, H_I, d_I], key [N, d_I] and per-head weights
+        [N, H_I] for the same tokens, when the model has an indexer. Returns [N, Hq, D].
+        """
+        ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q over k/v where q are the last q.shape[0] of k's tokens. [T, H, D] layouts."""
+    tq, tk = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if tq == tk:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(tk - tq, tk).unsqueeze(1)
+        mask = torch.arange(tk).unsqueeze(0) <= rows
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class SingleSequenceCache:
+    """The simplest backend: one sequence, its K/V appended to growing tensors, dense causal attention.
+
+    Used by tests and by training, where no engine is present.
+    """
+
+    def __init__(self, num_layers: int, scale: float) -> None:
+        self.scale = scale
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k])
+            v = torch.cat([self.v[layer], v])
+        self.k[layer], self.v[layer] = k, v
+        return causal_attention(q, k, v, self.scale)

@@ -1,0 +1,101 @@
+"""Build a model from a path: a GGUF file, a Hugging Face directory, or nothing (the default model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hisparse.models.config import LlamaConfig
+from hisparse.models.default_model import default_model_path
+from hisparse.models.gguf_loader import load_gguf
+from hisparse.models.llama import LlamaForCausalLM
+
+# Hugging Face parameter names (after "model.layers.N.") -> ours.
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None or str(model) in ("", "default"):
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"model path '{model}' does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ValueError(f"model directory '{model}' has no config.json")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file '{model}' is not a .gguf file")
+    return path
+
+
+def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if "LlamaForCausalLM" not in archs:
+        raise ValueError(f"'{folder}' is {archs}; this loader reads LlamaForCausalLM directories")
+    heads = cfg["num_attention_heads"]
+    config = LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else None,
+    )
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"'{folder}' holds no .safetensors files")
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            tensor = tensor.float()
+            if name == "model.embed_tokens.weight":
+                state["embed_tokens.weight"] = tensor
+            elif name == "model.norm.weight":
+                state["norm.weight"] = tensor
+            elif name == "lm_head.weight":
+                state["lm_head.weight"] = tensor
+            elif name.startswith("model.layers."):
+                _, _, index, rest = name.split(".", 3)
+                if rest in _HF_LAYER_NAMES:
+                    state[f"layers.{index}.{_HF_LAYER_NAMES[rest]}"] = tensor
+    return config, state
+
+
+def load_llama(model: str | Path | None = None) -> LlamaForCausalLM:
+    """Load weights into a float32 model in eval mode, projections fused for inference."""
+    path = resolve_model_path(model)
+    config, state = load_gguf(path) if path.is_file() else load_hf_llama(path)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    net.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    missing = [n for n, p in net.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
+    net.eval().requires_grad_(False)
+    net.fuse_projections()
+    return net

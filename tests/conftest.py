@@ -1,0 +1,31 @@
+"""Shared fixtures: the real default model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse.models.default_model import default_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llama(model_path):
+    from hisparse.models.loader import load_llama
+
+    return load_llama(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own reading of the same GGUF: the independent reference for parity tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return model.eval()
