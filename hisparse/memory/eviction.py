@@ -1,0 +1,221 @@
+"""Eviction policies of the per-request hot buffer, and the slot tables they act on.
+
+Every layer of every request has a hot buffer of S slots described by two int32 tables row-indexed by
+request (one row per request, tables sized for the maximum number of concurrent requests R):
+
+- `slot_pos[R, S]`: the token position each slot holds, -1 when empty. It is the one source of truth
+  for "where is token p": a position is on the device iff some slot of its row holds it.
+- `lru[R, S]`: the eviction order, a permutation of the slot ids, next victim candidate first. The name
+  is the reference system's; for FIFO it is the insertion order and for CLOCK the ring read from the
+  hand. Empty slots sit at the front, so they are filled before anything is evicted.
+
+A swap-in selects `top_k` positions; those in the buffer are hits, the others misses. Slots whose
+position is not selected (empty slots included) are evictable. The policy decides which evictable slot
+each miss is loaded into and how the order changes. A policy that needs more than the order (CLOCK's
+reference bits) owns that state as tensors in `policy.state`, so a stateful policy object belongs to
+one layer, exactly like that layer's `slot_pos` and `lru`.
+
+`EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in and
+by tests; the CPU and Triton kernels implement the same rules and are tested against it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class RowPlan:
+    """What one swap-in does to one request's hot buffer (one layer)."""
+
+    slots: list[int]  # per top_k column: the slot holding that position after the step, -1 for padding
+    miss_columns: list[int]  # top_k columns that missed, in column order
+    victims: list[int]  # the slot each miss is loaded into, parallel to miss_columns
+    order: list[int]  # the new eviction order
+    state: dict[str, list[int]] = field(default_factory=dict)  # the policy's extra row state afterwards
+
+
+class EvictionPolicy(ABC):
+    """One eviction rule: which evictable slots the misses take, and the eviction order afterwards.
+
+    Subclasses implement `choose`. Stateful subclasses list their per-slot state in `state_names`, make
+    it in `__init__` as int tensors of shape [num_rows, num_slots] in `self.state`, and return its new
+    row values from `choose`.
+    """
+
+    name: ClassVar[str]
+    state_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+        if self.state_names:
+            if num_rows is None or num_slots is None:
+                raise ValueError(
+                    f"eviction policy {self.name!r} keeps per-slot state ({', '.join(self.state_names)}): "
+                    f"make one per layer with get_policy({self.name!r}, num_rows=R, num_slots=S)"
+                )
+            for key in self.state_names:
+                self.state[key] = torch.zeros(num_rows, num_slots, dtype=torch.int8, device=device)
+
+    def reset_row(self, row: int) -> None:
+        """Forget a row's history, for a new request or a rebuilt buffer."""
+        for tensor in self.state.values():
+            tensor[row] = 0
+
+    def plan_row(self, top_k: Sequence[int], slot_pos: Sequence[int], order: Sequence[int],
+                 state: Mapping[str, Sequence[int]] | None = None) -> RowPlan:
+        """Classify hits and misses of one request, then let the policy place the misses.
+
+        The classification is the same for every policy: a slot is a hit iff its position is selected;
+        misses are the selected positions not in the buffer, in top_k column order.
+        """
+        valid = [p for p in top_k if p >= 0]
+        if len(valid) > len(slot_pos):
+            raise ValueError(f"{len(valid)} selected positions do not fit in {len(slot_pos)} hot slots")
+        if len(set(valid)) != len(valid):
+            raise ValueError("top_k row selects a position twice")
+        selected = set(valid)
+        slot_of = {p: s for s, p in enumerate(slot_pos) if p >= 0}
+        is_hit = [p >= 0 and p in selected for p in slot_pos]
+        miss_columns = [j for j, p in enumerate(top_k) if p >= 0 and p not in slot_of]
+        state = state or {}
+        row_state = {k: list(state.get(k, [0] * len(slot_pos))) for k in self.state_names}
+        victims, new_order, new_state = self.choose(list(order), is_hit, len(miss_columns), row_state)
+        slots = [slot_of.get(p, -1) if p >= 0 else -1 for p in top_k]
+        for j, s in zip(miss_columns, victims, strict=True):
+            slots[j] = s
+        return RowPlan(slots, miss_columns, victims, new_order, new_state)
+
+    @abstractmethod
+    def choose(self, order: list[int], is_hit: list[bool], num_misses: int,
+               state: dict[str, list[int]]) -> tuple[list[int], list[int], dict[str, list[int]]]:
+        """Victim slot of each miss (in miss order), the new order, and the new extra row state.
+
+        Victims must be evictable (`not is_hit[slot]`) and distinct; there are always enough of them
+        because the number of selected positions is at most the number of slots.
+        """
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used, exactly as SGLang HiSparse: selected slots (hits and loads) become newest.
+
+    New order: untouched evictables (oldest first), then the loaded slots in miss order, then the hits
+    in their old relative order.
+    """
+
+    name = "lru"
+
+    def choose(self, order, is_hit, num_misses, state):
+        evictable = [s for s in order if not is_hit[s]]
+        hits = [s for s in order if is_hit[s]]
+        victims = evictable[:num_misses]
+        return victims, evictable[num_misses:] + victims + hits, state
+
+
+class FIFOPolicy(EvictionPolicy):
+    """First in, first out: a hit does not refresh a slot, so the order is the load order."""
+
+    name = "fifo"
+
+    def choose(self, order, is_hit, num_misses, state):
+        victims = [s for s in order if not is_hit[s]][:num_misses]
+        taken = set(victims)
+        return victims, [s for s in order if s not in taken] + victims, state
+
+
+class ClockPolicy(EvictionPolicy):
+    """CLOCK (second chance): LRU's hit rate for common traces at FIFO's bookkeeping cost.
+
+    State: `referenced[R, S]` int8, set on a hit and on a load. The ring is the `lru` row and the hand
+    is its first entry, so the order tensor stays a permutation and no separate hand tensor is needed.
+    For each miss the hand sweeps the ring: slots selected this step (hits, and slots loaded earlier in
+    the same step) are skipped untouched; a referenced slot loses its bit and is passed over; the first
+    unreferenced one is the victim, is loaded, gets its bit, and the hand moves past it. Empty slots are
+    never referenced, so they go first. The new order is the ring rotated to the hand.
+    """
+
+    name = "clock"
+    state_names = ("referenced",)
+
+    def choose(self, order, is_hit, num_misses, state):
+        referenced = state["referenced"]
+        pinned = list(is_hit)
+        for s, hit in enumerate(is_hit):
+            if hit:
+                referenced[s] = 1
+        victims: list[int] = []
+        hand = 0
+        size = len(order)
+        while len(victims) < num_misses:
+            s = order[hand]
+            hand = (hand + 1) % size
+            if pinned[s]:
+                continue
+            if referenced[s]:
+                referenced[s] = 0
+                continue
+            victims.append(s)
+            referenced[s] = 1
+            pinned[s] = True
+        return victims, order[hand:] + order[:hand], {"referenced": referenced}
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, FIFOPolicy, ClockPolicy)
+}
+
+
+def get_policy(name: str, num_rows: int | None = None, num_slots: int | None = None,
+               device: torch.device | str | None = None) -> EvictionPolicy:
+    """A policy by name. Stateful ones (clock) need the table shape and belong to one layer."""
+    if name not in EVICTION_POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(EVICTION_POLICIES)}")
+    return EVICTION_POLICIES[name](num_rows, num_slots, device)
+
+
+def resolve_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """Accept a name for stateless policies, an object for any (what `swap_in(policy=...)` takes)."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if isinstance(policy, str):
+        return get_policy(policy)
+    raise ValueError(f"policy must be a name or an EvictionPolicy, got {type(policy).__name__}")
+
+
+def new_slot_tables(num_rows: int, num_slots: int,
+                    device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh `slot_pos` (all empty) and `lru` (identity order) for one layer."""
+    slot_pos = torch.full((num_rows, num_slots), -1, dtype=torch.int32, device=device)
+    lru = torch.arange(num_slots, dtype=torch.int32, device=device).repeat(num_rows, 1)
+    return slot_pos, lru
+
+
+def reset_row(slot_pos: torch.Tensor, lru: torch.Tensor, row: int,
+              positions: Sequence[int] | torch.Tensor = (), policy: EvictionPolicy | None = None) -> None:
+    """Set a row to "slots 0..n-1 hold `positions`, the rest are empty", empty slots oldest.
+
+    Used when a request is admitted or leaves the dense fast path: the buffer then holds its last
+    tokens in order (typically `range(p0, p0 + n)`). The order is [n..S-1, 0..n-1], so empty slots
+    are filled before any token is evicted and the earliest of the given positions goes first. It is
+    also CLOCK's ring with the hand on the first empty slot. `policy`, if given, forgets the row's
+    history too.
+    """
+    num_slots = slot_pos.shape[1]
+    pos = torch.as_tensor(positions, dtype=torch.int32).to(slot_pos.device).flatten()
+    n = pos.numel()
+    if n > num_slots:
+        raise ValueError(f"{n} positions do not fit in {num_slots} hot slots")
+    if n and torch.unique(pos).numel() != n:
+        raise ValueError("positions must be distinct")
+    slot_pos[row] = -1
+    slot_pos[row, :n] = pos
+    ids = torch.arange(num_slots, dtype=lru.dtype, device=lru.device)
+    lru[row] = torch.cat((ids[n:], ids[:n]))
+    if policy is not None:
+        policy.reset_row(row)
