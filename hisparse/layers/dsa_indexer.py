@@ -1,0 +1,130 @@
+"""The DSA lightning indexer: which past tokens each query attends to.
+
+I[t, s] = sum_h w_h(x_t) * ReLU(q_{t,h} . k_s) / sqrt(d_I), with w = W_w x / sqrt(H_I), one shared key
+per token k = LayerNorm(W_k x) and RoPE on its first `rope_dim` dims. DeepSeek-V3.2 rotates those
+dims half-split (non-interleaved) while its MLA is interleaved; GLM-5 rotates both interleaved.
+
+The key cache of the indexer is what stays on the device for every token under HiSparse, so it is
+stored as DeepSeek does: a Hadamard rotation (which spreads outliers over all dims and leaves dot
+products unchanged) and then e4m3 with one fp32 scale, 132 bytes for 128 dims. The query goes
+through the same rotation and quantization, as in the reference's fp8_index kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from hisparse.layers import fp8
+from hisparse.layers.rotary import apply_rope_half, apply_rope_interleaved
+
+INDEX_KEY_KINDS = ("float32", "fp8")
+_QUERY_CHUNK = 256  # bounds the [chunk, heads, context] tensor of a long prefill
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_matrix(dim: int) -> torch.Tensor:
+    if dim & (dim - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / dim**0.5).float()
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Hadamard rotation of the last dim (the reference's `rotate_activation`)."""
+    return x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)
+
+
+class IndexKeyFormat:
+    """How an indexer key row is stored: float32 (exact) or fp8 (head_dim e4m3 + fp32 scale)."""
+
+    def __init__(self, kind: str, head_dim: int = 128) -> None:
+        if kind not in INDEX_KEY_KINDS:
+            raise ValueError(f"unknown indexer key format {kind!r}; expected one of {INDEX_KEY_KINDS}")
+        self.kind = kind
+        self.head_dim = head_dim
+        self.row_bytes = 4 * head_dim if kind == "float32" else fp8.index_k_fp8_row_bytes(head_dim)
+
+    def pack(self, k: torch.Tensor) -> torch.Tensor:
+        """k [N, head_dim] -> uint8 [N, row_bytes] (fp8 rows hold the Hadamard-rotated key)."""
+        if self.kind == "fp8":
+            return fp8.pack_index_k_fp8(hadamard(k))
+        return k.float().contiguous().view(torch.uint8)
+
+    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp8":
+            return fp8.unpack_index_k_fp8(rows)
+        return rows.contiguous().view(torch.float32)
+
+    def prepare_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Put the query in the same basis and precision as the stored keys."""
+        if self.kind == "fp8":
+            return fp8.fake_quant_fp8(hadamard(q))
+        return q.float()
+
+
+class LightningIndexer(nn.Module):
+    """Projections of the indexer, with the checkpoint's names (wq_b, wk, k_norm, weights_proj)."""
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int,
+                 rope_interleaved: bool, top_k: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.rope_interleaved = rope_interleaved
+        self.top_k = top_k
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the leading rope_dim dims of x [T, H, head_dim]; the rest passes through."""
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        apply = apply_rope_interleaved if self.rope_interleaved else apply_rope_half
+        return torch.cat([apply(rot, cos, sin), rest], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> k [T, head_dim], the row the indexer key cache stores."""
+        k = self.k_norm(self.wk(x).float())
+        return self._rope(k.unsqueeze(-2), cos, sin).squeeze(-2)
+
+    def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q_resid [T, q_lora] (shared with MLA) -> q [T, H, head_dim]."""
+        q = self.wq_b(q_resid).float().view(q_resid.shape[0], self.n_heads, self.head_dim)
+        return self._rope(q, cos, sin)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """w [T, H] with both the 1/sqrt(H) weight scale and the 1/sqrt(d) score scale folded in."""
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        return w * (self.n_heads**-0.5) * (self.head_dim**-0.5)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """I[t, s] = sum_h weights[t, h] * ReLU(q[t, h] . keys[s]). q [T, H, D], keys [S, D] -> [T, S]."""
+    out = []
+    keys = keys.float()
+    for start in range(0, q.shape[0], _QUERY_CHUNK):
+        sl = slice(start, start + _QUERY_CHUNK)
+        logits = torch.einsum("thd,sd->ths", q[sl].float(), keys).relu_()
+        out.append(torch.einsum("th,ths->ts", weights[sl].float(), logits))
+    return torch.cat(out)
+
+
+def select_topk(scores: torch.Tensor, query_positions: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Causal top-k: for query t, the top_k positions s <= query_positions[t] by score.
+
+    Returns int64 [T, min(top_k, S)], -1 where a query has fewer than top_k past tokens; such a query
+    selects every past token, so a context no longer than top_k is exactly dense attention.
+    """
+    s = scores.shape[-1]
+    k = min(top_k, s)
+    future = torch.arange(s, device=scores.device)[None, :] > query_positions[:, None]
+    masked = scores.masked_fill(future, float("-inf"))
+    values, idx = masked.topk(k, dim=-1)
+    return idx.masked_fill(values == float("-inf"), -1)

@@ -1,0 +1,143 @@
+"""Multi-head latent attention (MLA), in the absorbed form that reads only the cached latent.
+
+Each token caches one latent row per layer: c_kv (kv_lora_rank, 512) followed by the roped shared
+key k_pe (64). Keys and values are never materialised: the per-head key up-projection W_UK is
+absorbed into the query (q_lat = q_nope W_UK, one 512-vector per head) and the value up-projection
+W_UV is applied after attention. Attention is then multi-query over the latent rows, which is what
+lets a sparse step read exactly `top_k` rows of 576 values through a page table, wherever the
+memory hierarchy keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hisparse.layers import fp8
+from hisparse.layers.norm import RMSNorm
+from hisparse.layers.rotary import apply_rope_interleaved
+
+LATENT_KINDS = ("float32", "bfloat16", "fp8")
+_QUERY_CHUNK = 256  # bounds the [chunk, heads, context] score tensor of a long prefill
+
+
+class LatentFormat:
+    """How one latent row is stored: float32 (exact, for parity tests), bfloat16 (1152 bytes for
+    DSA) or the FP8 sparse layout (656 bytes). Rows are always uint8 so that a memory hierarchy can
+    copy them host<->device without knowing the format."""
+
+    def __init__(self, kind: str, kv_lora_rank: int = 512, rope_dim: int = 64) -> None:
+        if kind not in LATENT_KINDS:
+            raise ValueError(f"unknown latent format {kind!r}; expected one of {LATENT_KINDS}")
+        self.kind = kind
+        self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
+        width = kv_lora_rank + rope_dim
+        if kind == "float32":
+            self.row_bytes = 4 * width
+        elif kind == "bfloat16":
+            self.row_bytes = 2 * width
+        else:
+            self.row_bytes = fp8.mla_fp8_row_bytes(kv_lora_rank, rope_dim)
+
+    def pack(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent [N, kv_lora_rank + rope_dim] -> uint8 [N, row_bytes]."""
+        if self.kind == "fp8":
+            return fp8.pack_mla_fp8(latent, self.kv_lora_rank)
+        dtype = torch.float32 if self.kind == "float32" else torch.bfloat16
+        return latent.to(dtype).contiguous().view(torch.uint8)
+
+    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., row_bytes] -> float32 [..., kv_lora_rank + rope_dim]."""
+        if self.kind == "fp8":
+            return fp8.unpack_mla_fp8(rows, self.kv_lora_rank)
+        dtype = torch.float32 if self.kind == "float32" else torch.bfloat16
+        return rows.contiguous().view(dtype).float()
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA projections with DeepSeek's weight names; the attention itself is in the functions below.
+
+    `softmax_scale` is passed in because YaRN checkpoints fold mscale^2 into it.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.softmax_scale = softmax_scale
+        self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+        # DeepSeek's reference builds these two norms with the default eps whatever rms_norm_eps says.
+        self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (q_resid [T, q_lora] for the indexer, q_nope [T, H, nope], q_pe [T, H, rope])."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, -1)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_resid, q_nope, apply_rope_interleaved(q_pe, cos, sin)
+
+    def project_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the cached latent row [T, kv_lora_rank + rope]: normed c_kv, then roped k_pe."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def _w_kv_b(self) -> torch.Tensor:
+        per_head = self.qk_nope_head_dim + self.v_head_dim
+        return self.kv_b_proj.weight.view(self.num_heads, per_head, self.kv_lora_rank)
+
+    def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope] -> q_lat [T, H, kv_lora_rank] (W_UK folded into the query)."""
+        w_uk = self._w_kv_b()[:, : self.qk_nope_head_dim]
+        return torch.einsum("thd,hdc->thc", q_nope.float(), w_uk.float())
+
+    def output(self, o_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """o_lat [T, H, kv_lora_rank] -> [T, hidden] (W_UV, then o_proj)."""
+        w_uv = self._w_kv_b()[:, self.qk_nope_head_dim:]
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv.float())
+        return self.o_proj(o.reshape(o.shape[0], -1).to(dtype))
+
+
+def sparse_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+                         softmax_scale: float) -> torch.Tensor:
+    """Attention of each query over its own gathered latent rows (the sparse decode step).
+
+    q_lat [T, H, C], q_pe [T, H, R], rows [T, K, C + R] gathered through the page table,
+    valid [T, K] (False for padding). Returns o_lat [T, H, C] in float32.
+    """
+    c = q_lat.shape[-1]
+    rows = rows.float()
+    scores = (torch.einsum("thc,tkc->thk", q_lat.float(), rows[..., :c])
+              + torch.einsum("thr,tkr->thk", q_pe.float(), rows[..., c:])) * softmax_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("thk,tkc->thc", scores.softmax(dim=-1), rows[..., :c])
+
+
+def masked_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor,
+                         softmax_scale: float) -> torch.Tensor:
+    """Attention of many queries over one shared run of latent rows with a boolean mask (prefill).
+
+    rows [S, C + R] are the context's rows in position order, allowed [T, S]. Same result as
+    `sparse_mla_attention` on the allowed rows; cheaper when queries share most of their rows.
+    """
+    c = q_lat.shape[-1]
+    rows = rows.float()
+    out = []
+    for start in range(0, q_lat.shape[0], _QUERY_CHUNK):
+        sl = slice(start, start + _QUERY_CHUNK)
+        scores = (torch.einsum("thc,sc->ths", q_lat[sl].float(), rows[:, :c])
+                  + torch.einsum("thr,sr->ths", q_pe[sl].float(), rows[:, c:])) * softmax_scale
+        scores = scores.masked_fill(~allowed[sl, None, :], float("-inf"))
+        out.append(torch.einsum("ths,sc->thc", scores.softmax(dim=-1), rows[:, :c]))
+    return torch.cat(out)
