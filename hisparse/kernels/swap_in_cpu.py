@@ -1,0 +1,206 @@
+"""Swap-in on the CPU with numba: the reference's rules, at memory speed.
+
+Two parallel phases. Bookkeeping runs one request per thread iteration (`prange` over the batch);
+each request finds its hits with a small open-addressing hash set of its top-k positions (as the
+reference system's CUDA block does), so a step costs O(S + K) per request whatever the context. The
+copies then run over all misses of the batch at once (`prange` over the flattened miss list), so a
+batch whose misses sit in one request still uses every core. Rows are copied as raw machine words
+(the widest unsigned integer dividing the row size), which handles every dtype, bfloat16 included,
+and lets the compiler emit plain wide loads and stores.
+
+All arrays are zero-copy numpy views of the caller's tensors; `slot_pos`, `lru`, the policy state and
+`device_kv` are written in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from hisparse.kernels.swap_in import SwapInResult
+from hisparse.memory.eviction import EvictionPolicy, resolve_policy
+
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2}
+_LRU, _FIFO, _CLOCK = 0, 1, 2
+_HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash; odd, so it permutes the low bits
+
+
+def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
+                device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
+                device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru") -> SwapInResult:
+    policy = resolve_policy(policy)
+    if policy.name not in POLICY_CODES:
+        raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
+    batch, width = top_k.shape
+    page_table = torch.empty((batch, width), dtype=torch.int64)
+    misses = torch.empty(batch, dtype=torch.int32)
+    evictions = torch.empty(batch, dtype=torch.int32)
+    miss_src = torch.empty((batch, width), dtype=torch.int64)
+    miss_dst = torch.empty((batch, width), dtype=torch.int64)
+    referenced = policy.state.get("referenced")
+    if referenced is None:
+        referenced = torch.zeros((1, 1), dtype=torch.int8)
+    if batch == 0:
+        return SwapInResult(page_table, misses, evictions)
+    _plan_batch(top_k.numpy(), rows.numpy(), slot_pos.numpy(), lru.numpy(), device_rows.numpy(),
+                host_rows.numpy(), referenced.numpy(), POLICY_CODES[policy.name], page_table.numpy(),
+                misses.numpy(), evictions.numpy(), miss_src.numpy(), miss_dst.numpy())
+    _copy_misses(_as_words(host_kv), _as_words(device_kv), miss_src.numpy(), miss_dst.numpy(), misses.numpy())
+    return SwapInResult(page_table, misses, evictions)
+
+
+def _as_words(kv: torch.Tensor) -> np.ndarray:
+    """[rows, W] of any dtype as [rows, n] of the widest unsigned word dividing the row size."""
+    raw = kv.view(torch.uint8).numpy()
+    for word in (np.uint64, np.uint32, np.uint16):
+        if raw.shape[1] % np.dtype(word).itemsize == 0:
+            return raw.view(word)
+    return raw
+
+
+@njit(cache=True)
+def _slot_of(keys: np.ndarray, cols: np.ndarray, position: int) -> int:
+    """Column of `position` in the top-k hash set, -1 when not selected."""
+    mask = keys.shape[0] - 1
+    h = (position * _HASH_MULTIPLIER) & mask
+    while keys[h] != -1:
+        if keys[h] == position:
+            return cols[h]
+        h = (h + 1) & mask
+    return -1
+
+
+@njit(cache=True)
+def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, policy,
+              page_table, miss_src, miss_dst):
+    """One request's bookkeeping; returns (misses, evictions). Scratch is allocated here, per call."""
+    width = top_k.shape[1]
+    num_slots = slot_pos.shape[1]
+    size = 16
+    while size < 2 * width:
+        size *= 2
+    keys = np.full(size, -1, np.int64)
+    cols = np.empty(size, np.int32)
+    for j in range(width):
+        p = top_k[b, j]
+        if p >= 0:
+            h = (p * _HASH_MULTIPLIER) & (size - 1)
+            while keys[h] != -1:
+                h = (h + 1) & (size - 1)
+            keys[h] = p
+            cols[h] = j
+
+    # Walk the order: hits keep their slot, everything else is evictable, oldest first.
+    col_slot = np.full(width, -1, np.int32)
+    pinned = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
+    evictable = np.empty(num_slots, np.int32)
+    hits = np.empty(num_slots, np.int32)
+    n_evictable = 0
+    n_hits = 0
+    for i in range(num_slots):
+        s = lru[r, i]
+        p = slot_pos[r, s]
+        j = _slot_of(keys, cols, p) if p >= 0 else -1
+        if j >= 0:
+            col_slot[j] = s
+            pinned[s] = 1
+            hits[n_hits] = s
+            n_hits += 1
+            if policy == _CLOCK:
+                referenced[r, s] = 1
+        else:
+            evictable[n_evictable] = s
+            n_evictable += 1
+
+    # The i-th miss (column order) takes the policy's i-th victim.
+    n_miss = 0
+    n_evict = 0
+    hand = 0
+    for j in range(width):
+        p = top_k[b, j]
+        if p < 0:
+            page_table[b, j] = -1
+            continue
+        s = col_slot[j]
+        if s < 0:
+            if policy == _CLOCK:
+                while True:
+                    s = lru[r, hand]
+                    hand = (hand + 1) % num_slots
+                    if pinned[s] != 0:
+                        continue
+                    if referenced[r, s] != 0:
+                        referenced[r, s] = 0
+                        continue
+                    break
+                referenced[r, s] = 1
+            else:
+                s = evictable[n_miss]
+            pinned[s] = 2
+            if slot_pos[r, s] >= 0:
+                n_evict += 1
+            slot_pos[r, s] = p
+            miss_src[b, n_miss] = host_rows[r, p]
+            miss_dst[b, n_miss] = device_rows[r, s]
+            n_miss += 1
+        page_table[b, j] = device_rows[r, s]
+
+    # The new order.
+    if policy == _LRU:
+        k = 0
+        for i in range(n_miss, n_evictable):
+            lru[r, k] = evictable[i]
+            k += 1
+        for i in range(n_miss):
+            lru[r, k] = evictable[i]
+            k += 1
+        for i in range(n_hits):
+            lru[r, k] = hits[i]
+            k += 1
+    elif policy == _FIFO:
+        old = lru[r].copy()
+        k = 0
+        for i in range(num_slots):
+            if pinned[old[i]] != 2:
+                lru[r, k] = old[i]
+                k += 1
+        for i in range(n_miss):
+            lru[r, k] = evictable[i]
+            k += 1
+    elif hand != 0:
+        old = lru[r].copy()
+        for i in range(num_slots):
+            lru[r, i] = old[(hand + i) % num_slots]
+    return n_miss, n_evict
+
+
+@njit(parallel=True, cache=True)
+def _plan_batch(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
+                page_table, misses, evictions, miss_src, miss_dst):
+    for b in prange(top_k.shape[0]):
+        n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
+                                    policy, page_table, miss_src, miss_dst)
+        misses[b] = n_miss
+        evictions[b] = n_evict
+
+
+@njit(parallel=True, cache=True)
+def _copy_misses(host, device, miss_src, miss_dst, misses):
+    total = 0
+    for b in range(misses.shape[0]):
+        total += misses[b]
+    src = np.empty(total, np.int64)
+    dst = np.empty(total, np.int64)
+    k = 0
+    for b in range(misses.shape[0]):
+        for i in range(misses[b]):
+            src[k] = miss_src[b, i]
+            dst[k] = miss_dst[b, i]
+            k += 1
+    words = host.shape[1]
+    for i in prange(total):
+        s = src[i]
+        d = dst[i]
+        for w in range(words):
+            device[d, w] = host[s, w]

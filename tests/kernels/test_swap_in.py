@@ -1,0 +1,311 @@
+"""Swap-in: the three backends agree step by step, keep the slot tables sound, and match cache simulators.
+
+Traces are random decode runs: each request's context grows by one token per step and its top-k
+keeps part of the previous step's selection (locality), so steps mix hits, misses into empty slots
+and evictions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse.kernels.swap_in import SwapInResult, swap_in
+from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
+
+if not torch.cuda.is_available():
+    # Before the Triton kernel module is first imported (the dispatcher imports it lazily).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TRITON = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@dataclass
+class Case:
+    rows: torch.Tensor
+    slot_pos: torch.Tensor
+    lru: torch.Tensor
+    device_rows: torch.Tensor
+    host_rows: torch.Tensor
+    host_kv: torch.Tensor
+    device_kv: torch.Tensor
+    steps: list[torch.Tensor]  # top_k per step
+    num_rows: int
+    num_slots: int
+
+    def clone(self) -> Case:
+        return Case(self.rows, self.slot_pos.clone(), self.lru.clone(), self.device_rows, self.host_rows,
+                    self.host_kv, self.device_kv.clone(), self.steps, self.num_rows, self.num_slots)
+
+
+def make_case(seed: int, batch: int, num_slots: int, width: int, num_steps: int, row_width: int = 6,
+              dtype: torch.dtype = torch.float32, pad_anywhere: bool = False) -> Case:
+    rng = np.random.default_rng(seed)
+    num_rows = batch + int(rng.integers(0, 3))
+    rows = rng.permutation(num_rows)[:batch]
+    seq_lens = rng.integers(2, 3 * num_slots, size=batch)
+    context = int(seq_lens.max()) + num_steps + 1
+    slot_pos, lru = new_slot_tables(num_rows, num_slots)
+    for b, r in enumerate(rows):
+        older = int(seq_lens[b]) - 1
+        kept = int(rng.integers(0, min(num_slots, older) + 1))
+        reset_row(slot_pos, lru, int(r), range(older - kept, older))
+    host_size = num_rows * context + 7
+    host_rows = torch.from_numpy(rng.permutation(host_size)[: num_rows * context].reshape(num_rows, context))
+    device_size = num_rows * num_slots + 3
+    device_rows = torch.from_numpy(rng.permutation(device_size)[: num_rows * num_slots])
+    host_kv = torch.from_numpy(rng.standard_normal((host_size, row_width), dtype=np.float32)).to(dtype)
+    device_kv = torch.zeros(device_size, row_width, dtype=dtype)
+    device_rows = device_rows.view(num_rows, num_slots).long()
+    held = slot_pos >= 0  # the buffer already holds these tokens' rows, as after prefill
+    device_kv[device_rows[held]] = host_kv[host_rows.gather(1, slot_pos.clamp(min=0).long())[held]]
+
+    steps = []
+    previous = [np.array([], dtype=np.int64) for _ in range(batch)]
+    for _ in range(num_steps):
+        top_k = torch.full((batch, width), -1, dtype=torch.int64)
+        for b in range(batch):
+            older = int(seq_lens[b]) - 1  # the newest token is never selected
+            count = min(width, older) - int(rng.integers(0, 2))
+            kept = previous[b][rng.random(previous[b].size) < 0.6][:count]
+            fresh = rng.permutation(np.setdiff1d(np.arange(older), kept))[: count - kept.size]
+            chosen = rng.permutation(np.concatenate([kept, fresh]))
+            if pad_anywhere:
+                cols = np.sort(rng.choice(width, size=chosen.size, replace=False))
+                top_k[b, torch.from_numpy(cols)] = torch.from_numpy(chosen)
+            else:
+                top_k[b, : chosen.size] = torch.from_numpy(chosen)
+            previous[b] = chosen
+        seq_lens += 1
+        steps.append(top_k)
+    return Case(torch.from_numpy(rows).long(), slot_pos, lru, device_rows,
+                host_rows.long(), host_kv, device_kv, steps, num_rows, num_slots)
+
+
+def run(case: Case, policy_name: str, backend: str):
+    """Replay the trace; returns per-step results and pre-step slot tables, and the final state."""
+    case = case.clone()
+    policy = get_policy(policy_name, num_rows=case.num_rows, num_slots=case.num_slots)
+    results: list[SwapInResult] = []
+    before: list[torch.Tensor] = []
+    for top_k in case.steps:
+        before.append(case.slot_pos.clone())
+        lru_before = case.lru.clone()
+        res = swap_in(top_k, case.rows, case.slot_pos, case.lru, case.device_rows, case.host_rows,
+                      case.host_kv, case.device_kv, policy=policy, backend=backend)
+        check_step(case, top_k, before[-1], lru_before, res)
+        results.append(res)
+    return results, before, case, policy
+
+
+def check_step(case: Case, top_k: torch.Tensor, slot_pos_before: torch.Tensor, lru_before: torch.Tensor,
+               res: SwapInResult) -> None:
+    """Invariants of one swap-in that hold whatever the policy."""
+    assert res.page_table.dtype == torch.int64 and res.page_table.shape == top_k.shape
+    assert res.misses.dtype == torch.int32 and res.evictions.dtype == torch.int32
+    for r in range(case.num_rows):
+        assert sorted(case.lru[r].tolist()) == list(range(case.num_slots)), "lru lost or duplicated a slot"
+        held = [p for p in case.slot_pos[r].tolist() if p >= 0]
+        assert len(held) == len(set(held)), "a position is in two slots"
+        if r not in case.rows.tolist():
+            assert torch.equal(case.slot_pos[r], slot_pos_before[r]), "a row outside the batch changed"
+            assert torch.equal(case.lru[r], lru_before[r]), "a row outside the batch changed"
+    host_bytes = case.host_kv.view(torch.uint8)
+    device_bytes = case.device_kv.view(torch.uint8)
+    for b, r in enumerate(case.rows.tolist()):
+        sel = top_k[b]
+        valid = sel >= 0
+        assert (res.page_table[b][~valid] == -1).all()
+        dev = res.page_table[b][valid]
+        assert dev.unique().numel() == dev.numel(), "two selected positions share a device row"
+        positions = case.slot_pos[r].tolist()
+        for p, d in zip(sel[valid].tolist(), dev.tolist(), strict=True):
+            assert p in positions, "a selected position is not in the hot buffer"
+            assert d == int(case.device_rows[r, positions.index(p)])
+            assert torch.equal(device_bytes[d], host_bytes[case.host_rows[r, p]])
+        old = set(slot_pos_before[r].tolist())
+        assert int(res.misses[b]) == sum(p not in old for p in sel[valid].tolist())
+        assert 0 <= int(res.evictions[b]) <= int(res.misses[b])
+
+
+def assert_same_runs(a, b) -> None:
+    results_a, _, case_a, policy_a = a
+    results_b, _, case_b, policy_b = b
+    for ra, rb in zip(results_a, results_b, strict=True):
+        assert torch.equal(ra.page_table, rb.page_table)
+        assert torch.equal(ra.misses, rb.misses)
+        assert torch.equal(ra.evictions, rb.evictions)
+    assert torch.equal(case_a.slot_pos, case_b.slot_pos)
+    assert torch.equal(case_a.lru, case_b.lru)
+    assert torch.equal(case_a.device_kv.view(torch.uint8), case_b.device_kv.view(torch.uint8))
+    for key in policy_a.state:
+        assert torch.equal(policy_a.state[key], policy_b.state[key])
+
+
+def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps: int = 6):
+    @st.composite
+    def build(draw):
+        num_slots = draw(st.integers(min_slots, max_slots))
+        return make_case(
+            seed=draw(st.integers(0, 2**32 - 1)),
+            batch=draw(st.integers(1, max_batch)),
+            num_slots=num_slots,
+            width=draw(st.integers(1, num_slots)),
+            num_steps=draw(st.integers(1, max_steps)),
+            row_width=draw(st.sampled_from([6, 5, 3])),
+            dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+            pad_anywhere=draw(st.booleans()),
+        )
+
+    return build()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock"])
+@FAST
+@given(case=cases())
+def test_cpu_matches_reference(policy, case):
+    assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+@TRITON
+@given(case=cases(max_batch=3, max_slots=12, max_steps=3))
+def test_triton_matches_reference(policy, case):
+    assert_same_runs(run(case, policy, "reference"), run(case, policy, "triton"))
+
+
+def simulate(case: Case, fifo: bool) -> list[tuple[list[int], list[int], list[set[int]]]]:
+    """An OrderedDict cache per request, replayed over the trace: (misses, evictions, contents) per step.
+
+    LRU: a selected position moves to the newest end; misses are inserted before the hits so the hits
+    end newest, as in the reference system. FIFO: nothing moves. Both evict the oldest position that
+    is not selected this step, and only when the cache is full.
+    """
+    caches = []
+    for r in case.rows.tolist():
+        held = [p for p in case.slot_pos[r].tolist() if p >= 0]
+        order = sorted(held, key=lambda p: case.lru[r].tolist().index(case.slot_pos[r].tolist().index(p)))
+        caches.append(OrderedDict.fromkeys(order))
+    out = []
+    for top_k in case.steps:
+        misses, evictions, contents = [], [], []
+        for b, cache in enumerate(caches):
+            selected = [p for p in top_k[b].tolist() if p >= 0]
+            chosen = set(selected)
+            hits = [p for p in cache if p in chosen]
+            n_miss = n_evict = 0
+            for p in selected:
+                if p in cache:
+                    continue
+                n_miss += 1
+                if len(cache) == case.num_slots:
+                    del cache[next(q for q in cache if q not in chosen)]
+                    n_evict += 1
+                cache[p] = None
+            if not fifo:
+                for p in hits:
+                    cache.move_to_end(p)
+            misses.append(n_miss)
+            evictions.append(n_evict)
+            contents.append(set(cache))
+        out.append((misses, evictions, contents))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+@FAST
+@given(case=cases())
+def test_matches_an_ordered_dict_cache(policy, case):
+    expected = simulate(case, fifo=policy == "fifo")
+    results, _, _, _ = run(case, policy, "cpu")
+    replay = case.clone()
+    for top_k, res, (misses, evictions, contents) in zip(case.steps, results, expected, strict=True):
+        assert res.misses.tolist() == misses
+        assert res.evictions.tolist() == evictions
+        swap_in(top_k, replay.rows, replay.slot_pos, replay.lru, replay.device_rows, replay.host_rows,
+                replay.host_kv, replay.device_kv, policy=policy, backend="reference")
+        for b, r in enumerate(replay.rows.tolist()):
+            assert {p for p in replay.slot_pos[r].tolist() if p >= 0} == contents[b]
+
+
+def test_lru_keeps_an_intermittent_hot_set_that_fifo_cycles_out():
+    """Positions 0 and 1 are selected every other step, cold pairs in between, in a 4-slot buffer."""
+    num_slots = 4
+    steps = [torch.tensor([[0, 1]]) if t % 2 == 0 else torch.tensor([[100 + t, 200 + t]]) for t in range(12)]
+    total = {}
+    for name in ("lru", "fifo"):
+        slot_pos, lru = new_slot_tables(1, num_slots)
+        kv = torch.zeros(num_slots, 2)
+        total[name] = sum(
+            int(swap_in(top_k, torch.tensor([0]), slot_pos, lru, torch.arange(num_slots).view(1, -1),
+                        torch.arange(300).view(1, -1), torch.randn(300, 2), kv, policy=name).misses[0])
+            for top_k in steps
+        )
+    # LRU: the hot pair is loaded once. FIFO: it is the oldest pair again every fourth step.
+    assert total == {"lru": 2 + 2 * 6, "fifo": 2 + 2 * 6 + 2 * 2}
+
+
+def _tables(batch: int = 2, num_slots: int = 4, context: int = 10):
+    slot_pos, lru = new_slot_tables(batch, num_slots)
+    device_rows = torch.arange(batch * num_slots).view(batch, num_slots)
+    host_rows = torch.arange(batch * context).view(batch, context)
+    return dict(rows=torch.arange(batch), slot_pos=slot_pos, lru=lru, device_rows=device_rows,
+                host_rows=host_rows, host_kv=torch.randn(batch * context, 4),
+                device_kv=torch.zeros(batch * num_slots, 4))
+
+
+def _call(top_k, **overrides):
+    args = _tables()
+    args.update(overrides)
+    policy = args.pop("policy", "lru")
+    backend = args.pop("backend", "auto")
+    return swap_in(top_k, args["rows"], args["slot_pos"], args["lru"], args["device_rows"],
+                   args["host_rows"], args["host_kv"], args["device_kv"], policy=policy, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_more_selected_positions_than_slots_is_an_error(backend):
+    with pytest.raises(ValueError, match="4 slots"):
+        _call(torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1]]), backend=backend)
+    # as many as the slots is fine, padding does not count
+    res = _call(torch.tensor([[0, 1, 2, 3, -1], [5, -1, -1, -1, -1]]), backend=backend)
+    assert res.misses.tolist() == [4, 1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(policy="belady"), "unknown eviction policy 'belady'"),
+        (dict(policy="clock"), "per-slot state"),
+        (dict(backend="cuda"), "unknown swap-in backend"),
+        (dict(backend="triton", policy=get_policy("clock", num_rows=2, num_slots=4)), "triton"),
+        (dict(rows=torch.tensor([1, 1])), "same row"),
+        (dict(rows=torch.tensor([0, 2])), "rows must be in"),
+        (dict(slot_pos=torch.full((2, 4), -1, dtype=torch.int64)), "slot_pos must be"),
+        (dict(device_kv=torch.zeros(8, 4, dtype=torch.float16)), "device_kv is"),
+        (dict(device_kv=torch.zeros(8, 5)), "one W"),
+        (dict(lru=torch.zeros(2, 3, dtype=torch.int32)), "one shape"),
+    ],
+)
+def test_bad_arguments_are_value_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _call(torch.tensor([[0, 1], [2, -1]]), **overrides)
+
+
+@pytest.mark.parametrize("bad", [10, -2])
+def test_positions_outside_the_context_are_rejected(bad):
+    with pytest.raises(ValueError, match="top_k positions"):
+        _call(torch.tensor([[0, bad], [2, -1]]))
+
+
+def test_empty_batch_is_a_no_op():
+    res = _call(torch.zeros((0, 3), dtype=torch.int64), rows=torch.zeros(0, dtype=torch.int64))
+    assert res.page_table.shape == (0, 3) and res.misses.shape == (0,)
