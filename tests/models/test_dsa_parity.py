@@ -3,6 +3,20 @@
 Each checkpoint is built by transformers from a fixed seed, perturbed so that no weight keeps its
 neat initial value (norm weights of exactly 1, zero routing bias), saved as safetensors and read
 back by our loader: the test covers config parsing and weight names as well as the math.
+
+Where transformers 5.24 and DeepSeek's reference (DeepSeek-V3.2-Exp inference/model.py) differ:
+- indexer RoPE: the reference was fixed on 2025-11-17 to rotate the indexer half-split
+  (non-interleaved) while MLA stays interleaved; transformers does the same for DeepSeek-V3.2, and
+  GLM-5 (config indexer_rope_interleave=true) is interleaved in both. We agree with both.
+- indexer key precision: the reference Hadamard-rotates q and k and scores them in FP8; transformers
+  scores unrotated floats. We follow the reference for the stored key (fp8 rows); these parity tests
+  use float32 rows, which is transformers' computation (see test_dsa_fp8.py for the FP8 rows).
+- the indexer's LayerNorm: the reference runs it in float32 with float32 weights, transformers in the
+  model dtype. We follow the reference; identical here because the tests run in float32.
+- YaRN: the reference multiplies the softmax scale by mscale(factor, mscale)^2 and leaves cos/sin
+  unscaled; transformers (and DeepSeek's own HF modeling code) use mscale_all_dim for the softmax and
+  mscale / mscale_all_dim for cos/sin. Released configs set mscale = mscale_all_dim = 1, where all
+  agree; we follow the config semantics of transformers and test with those released values.
 """
 
 from __future__ import annotations
