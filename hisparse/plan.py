@@ -14,7 +14,7 @@ where budget = gpu_memory x mem_fraction_static - weights per GPU.
 
 MLA keeps one latent head, so tensor parallelism does not split the KV cache: every rank of an
 attention-TP group holds the same rows. Each attention data-parallel group (--dp) is one independent
-KV pool; each rank keeps its own host pool. The planner imports no torch so that it runs anywhere.
+KV pool; each rank keeps its own host pool. This module imports no torch, so it can run anywhere.
 """
 
 from __future__ import annotations
