@@ -29,3 +29,10 @@ def hf_model(model_path):
         str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from hisparse.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(model_path)

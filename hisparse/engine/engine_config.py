@@ -1,0 +1,48 @@
+"""Every knob of the engine in one validated place, shared by the offline API, the CLI and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF file or Hugging Face directory; None = the embedded default model
+    device_kv_budget: int | None = None  # bytes of device memory for the KV cache; None = the default
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    kv_cache_dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+        positive_int("max_running_requests")
+        positive_int("chunked_prefill_size")
+        if self.device_kv_budget is not None:
+            positive_int("device_kv_budget")
+        if self.kv_cache_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return getattr(torch, self.kv_cache_dtype)
+
+    def resolved_kv_budget(self, weight_bytes: int) -> int:
+        """On a GPU, a fraction of what the weights leave free (like --mem-fraction-static); on the CPU,
+        where device memory is only a budget, 1 GiB unless the user says otherwise."""
+        if self.device_kv_budget is not None:
+            return self.device_kv_budget
+        if self.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            return int(0.85 * free) - weight_bytes
+        return GIB

@@ -1,0 +1,139 @@
+"""The engine loop: admit, schedule, run, turn tokens into text, retire.
+
+Not thread-safe by design: exactly one thread drives `step()`; the server talks to it through a queue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.request import Request
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.engine.scheduler import Scheduler
+from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache
+from hisparse.models.loader import load_llama, resolve_model_path
+from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None):
+        self.config = config or EngineConfig()
+        path = resolve_model_path(self.config.model)
+        self.model = model if model is not None else load_llama(path)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_path(path)
+        mc = self.model.config
+        self.max_model_len = mc.max_position_embeddings
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.torch_kv_dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = self.config.resolved_kv_budget(weight_bytes)
+        self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device)
+        self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
+                                   self.config.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
+        if request.max_total_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context length of {self.max_model_len} tokens")
+        if request.max_total_tokens > self.cache.capacity_tokens:
+            raise ValueError(f"prompt + max_tokens ({request.max_total_tokens} tokens) exceeds the KV cache "
+                             f"capacity of {self.cache.capacity_tokens} tokens; raise the device KV budget")
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size}), got {bad[0]}")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.scheduler.abort(request_id)
+        self._detokenizers.pop(request_id, None)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that produced a token (finished ones included)."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.run(batch)
+        for span in batch.spans:
+            span.request.num_computed_tokens = span.end
+            if span.start == 0:
+                self.stats.prompt_tokens += span.request.num_prompt_tokens
+        now = time.perf_counter()
+        for span, token in zip(batch.sample_spans, tokens, strict=True):
+            self._append(span.request, token, now)
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - start
+        return [s.request for s in batch.sample_spans]
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.output_token_ids.append(token)
+        self.stats.generated_tokens += 1
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.tokenizer.stop_token_ids)
+        if token in stop_ids:
+            return self._finish(request, "stop")
+        detok = self._detokenizers[request.request_id]
+        request.output_text += detok.add_token(token)
+        for stop in params.stop:
+            # Only the tail can hold a new match: the text before it was checked last time.
+            cut = request.output_text.find(stop, max(0, len(request.output_text) - len(stop) - 32))
+            if cut >= 0:
+                request.output_text = request.output_text[:cut]
+                return self._finish(request, "stop", flush=False)
+        if len(request.output_token_ids) >= params.max_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, flush: bool = True) -> None:
+        if flush:  # text held back for an unfinished character; never after a stop string's cut
+            request.output_text += self._detokenizers[request.request_id].flush()
+        self._detokenizers.pop(request.request_id, None)
+        self.scheduler.finish(request, reason)
+        self.stats.finished_requests += 1

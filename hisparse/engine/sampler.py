@@ -1,0 +1,33 @@
+"""Turn the last-token logits of a batch into next tokens, each row by its own request's parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.engine.request import Request
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits: [B, vocab] float32, one row per request."""
+    tokens = logits.argmax(-1).tolist()
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.greedy:
+            continue
+        scaled = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
+        probs = scaled.softmax(-1)
+        tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator))
+    return tokens

@@ -1,0 +1,47 @@
+"""What a caller may ask of one generation, checked once at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+              and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+              and 0.0 <= self.temperature <= 100.0, "temperature", "must be a number in [0, 100]")
+        check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
+              and 0.0 < self.top_p <= 1.0, "top_p", "must be a number in (0, 1]")
+        check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+              and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or an integer >= 1")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+              and 0 <= self.seed < 2**63), "seed", "must be None or a non-negative integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(isinstance(self.stop_token_ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

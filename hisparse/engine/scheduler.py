@@ -1,0 +1,83 @@
+"""Continuous batching: who runs this step, and with how many new tokens.
+
+Every running request that has finished its prompt decodes one token each step; the rest of the
+step's token budget (`chunked_prefill_size`) goes to prompt chunks, first come first served. A request
+enters only when the cache manager can hold everything it could ever need (prompt + max_tokens), so a
+step can never run out of memory halfway: capacity is refused at the door, not discovered mid-step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from hisparse.engine.forward_batch import ForwardBatch
+from hisparse.engine.request import Request, RequestStatus
+
+
+class CacheManager(Protocol):
+    def can_admit(self, request: Request) -> bool: ...
+    def admit(self, request: Request) -> None: ...
+    def release(self, request: Request) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_running_requests: int, chunked_prefill_size: int) -> None:
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        self.cache = cache
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.peak_running = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while (self.waiting and len(self.running) < self.max_running_requests
+               and self.cache.can_admit(self.waiting[0])):
+            request = self.waiting.popleft()
+            self.cache.admit(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        self.peak_running = max(self.peak_running, len(self.running))
+
+    def schedule(self) -> ForwardBatch | None:
+        self._admit()
+        spans: list[tuple[Request, int]] = []
+        budget = self.chunked_prefill_size
+        for request in self.running:
+            if not request.in_prefill:
+                spans.append((request, 1))
+                budget -= 1
+        for request in self.running:
+            if request.in_prefill and budget > 0:
+                n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+                spans.append((request, n))
+                budget -= n
+        return ForwardBatch.build(spans) if spans else None
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Retire a request (finished or aborted) and give back all of its memory."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for request in [*self.running, *self.waiting]:
+            if request.request_id == request_id:
+                self.finish(request, "abort")
+                return request
+        return None
