@@ -46,35 +46,40 @@ def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru
     """
     policy = resolve_policy(policy)
     check_swap_in_args(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
-    return _implementation(backend, policy, top_k.device)(
-        top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy=policy
-    )
+    backend = resolve_backend(backend, policy, top_k.device)
+    if backend != "cpu":  # the cpu path checks values inside its kernel: a few torch ops cost more
+        check_swap_in_values(top_k, rows, slot_pos.shape, host_rows.shape[1])
+    return _implementation(backend)(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
+                                    policy=policy)
 
 
-def _implementation(backend: str, policy: EvictionPolicy,
-                    device: torch.device) -> Callable[..., SwapInResult]:
-    """Imported lazily: triton is a development dependency, and the kernels import this module."""
+def resolve_backend(backend: str, policy: EvictionPolicy, device: torch.device) -> str:
+    """The concrete backend for `backend` ("auto" included), or a ValueError saying why none fits."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-in backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type == "cuda":
-            backend = "triton" if policy.name in TRITON_POLICIES else "reference"
-        else:
-            backend = "cpu"
+            return "triton" if policy.name in TRITON_POLICIES else "reference"
+        return "cpu"
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu swap-in backend needs CPU tensors, got {device}")
+    if backend == "triton" and policy.name not in TRITON_POLICIES:
+        raise ValueError(
+            f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, not {policy.name!r}"
+        )
+    return backend
+
+
+def _implementation(backend: str) -> Callable[..., SwapInResult]:
+    """Imported lazily: triton is a development dependency, and the kernels import this module."""
     if backend == "reference":
         from hisparse.kernels.swap_in_reference import swap_in_reference
 
         return swap_in_reference
     if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"the cpu swap-in backend needs CPU tensors, got {device}")
         from hisparse.kernels.swap_in_cpu import swap_in_cpu
 
         return swap_in_cpu
-    if policy.name not in TRITON_POLICIES:
-        raise ValueError(
-            f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, not {policy.name!r}"
-        )
     from hisparse.kernels.swap_in_triton import swap_in_triton
 
     return swap_in_triton
@@ -83,7 +88,7 @@ def _implementation(backend: str, policy: EvictionPolicy,
 def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                        device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
                        device_kv: torch.Tensor) -> None:
-    """Reject what would make a kernel read or write out of bounds; a few O(B*K) reductions."""
+    """Types and shapes: what would make a kernel misread its arguments. Cheap: no data is read."""
     _expect(top_k, "top_k", torch.int64, 2)
     _expect(rows, "rows", torch.int64, 1)
     _expect(slot_pos, "slot_pos", torch.int32, 2)
@@ -101,22 +106,49 @@ def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.
     if host_kv.dim() != 2 or device_kv.dim() != 2 or host_kv.shape[1] != device_kv.shape[1]:
         raise ValueError(f"host_kv and device_kv must be [rows, W] with one W, got {tuple(host_kv.shape)} "
                          f"and {tuple(device_kv.shape)}")
+    device = top_k.device
+    if any(t.device != device for t in (rows, slot_pos, lru, device_rows, host_rows, device_kv)) or (
+        host_kv.device not in (device, torch.device("cpu"))
+    ):
+        raise ValueError(f"all swap-in tensors must be on {device} (host_kv may be in host memory)")
     if host_kv.dtype != device_kv.dtype:
         raise ValueError(f"host_kv is {host_kv.dtype} but device_kv is {device_kv.dtype}")
     if not (host_kv.is_contiguous() and device_kv.is_contiguous()):
         raise ValueError("host_kv and device_kv must be contiguous")
+
+
+# Why a swap-in's values are invalid, as codes a kernel can return before it changes anything.
+TOO_MANY_SELECTED, POSITION_OUT_OF_RANGE, ROW_OUT_OF_RANGE, ROW_TWICE = 1, 2, 3, 4
+
+
+def check_swap_in_values(top_k: torch.Tensor, rows: torch.Tensor, table_shape: tuple[int, int],
+                         context: int) -> None:
+    """The value checks, with torch reductions: selections fit the buffer, indices are in range."""
     if top_k.numel() == 0:
         return
-    valid = top_k >= 0
-    most = int(valid.sum(dim=1).max())
+    num_rows, num_slots = table_shape
+    most = int((top_k >= 0).sum(dim=1).max())
     if most > num_slots:
-        raise ValueError(f"a request selects {most} positions but the hot buffer has {num_slots} slots")
-    if int(top_k.min()) < -1 or int(top_k.max()) >= host_rows.shape[1]:
-        raise ValueError(f"top_k positions must be -1 or in [0, {host_rows.shape[1]})")
-    if int(rows.min()) < 0 or int(rows.max()) >= num_rows:
-        raise ValueError(f"rows must be in [0, {num_rows})")
+        raise_value_error(TOO_MANY_SELECTED, most, table_shape, context)
+    for value in (int(top_k.min()), int(top_k.max())):
+        if value < -1 or value >= context:
+            raise_value_error(POSITION_OUT_OF_RANGE, value, table_shape, context)
+    for value in (int(rows.min()), int(rows.max())):
+        if value < 0 or value >= num_rows:
+            raise_value_error(ROW_OUT_OF_RANGE, value, table_shape, context)
     if torch.unique(rows).numel() != rows.numel():
-        raise ValueError("two batch entries use the same row of the state tables")
+        raise_value_error(ROW_TWICE, -1, table_shape, context)
+
+
+def raise_value_error(code: int, detail: int, table_shape: tuple[int, int], context: int) -> None:
+    num_rows, num_slots = table_shape
+    if code == TOO_MANY_SELECTED:
+        raise ValueError(f"a request selects {detail} positions but the hot buffer has {num_slots} slots")
+    if code == POSITION_OUT_OF_RANGE:
+        raise ValueError(f"top_k positions must be -1 or in [0, {context}), got {detail}")
+    if code == ROW_OUT_OF_RANGE:
+        raise ValueError(f"rows must be in [0, {num_rows}), got {detail}")
+    raise ValueError("two batch entries use the same row of the state tables")
 
 
 def _expect(tensor: torch.Tensor, name: str, dtype: torch.dtype, dim: int) -> None:

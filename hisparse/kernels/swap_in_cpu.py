@@ -10,6 +10,12 @@ and lets the compiler emit plain wide loads and stores.
 
 All arrays are zero-copy numpy views of the caller's tensors; `slot_pos`, `lru`, the policy state and
 `device_kv` are written in place.
+
+Small steps (few requests, few missed bytes) run the same loops on the calling thread: waking a
+thread pool costs more than they do. Beware of numba's default "omp" threading layer in a process
+that also runs torch: the CPU wheels of torch bundle their own libgomp, so two OpenMP runtimes share
+the cores and each parallel region of ours can wait milliseconds for a worker on a busy machine.
+`NUMBA_THREADING_LAYER=workqueue` (or `OMP_WAIT_POLICY=PASSIVE`) in the engine's environment avoids it.
 """
 
 from __future__ import annotations
@@ -18,12 +24,24 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from hisparse.kernels.swap_in import SwapInResult
+from hisparse.kernels.swap_in import (
+    POSITION_OUT_OF_RANGE,
+    ROW_OUT_OF_RANGE,
+    ROW_TWICE,
+    TOO_MANY_SELECTED,
+    SwapInResult,
+    raise_value_error,
+)
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2}
 _LRU, _FIFO, _CLOCK = 0, 1, 2
 _HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash; odd, so it permutes the low bits
+# Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
+# workers, milliseconds on a loaded machine), so small steps run on the calling thread.
+PARALLEL_MIN_SELECTED = 4096  # batch x top_k
+PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
+_NO_STATE = torch.zeros((1, 1), dtype=torch.int8)  # stands for `referenced` when the policy has none
 
 
 def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
@@ -36,17 +54,22 @@ def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor,
     page_table = torch.empty((batch, width), dtype=torch.int64)
     misses = torch.empty(batch, dtype=torch.int32)
     evictions = torch.empty(batch, dtype=torch.int32)
-    miss_src = torch.empty((batch, width), dtype=torch.int64)
-    miss_dst = torch.empty((batch, width), dtype=torch.int64)
-    referenced = policy.state.get("referenced")
-    if referenced is None:
-        referenced = torch.zeros((1, 1), dtype=torch.int8)
     if batch == 0:
         return SwapInResult(page_table, misses, evictions)
-    _plan_batch(top_k.numpy(), rows.numpy(), slot_pos.numpy(), lru.numpy(), device_rows.numpy(),
-                host_rows.numpy(), referenced.numpy(), POLICY_CODES[policy.name], page_table.numpy(),
-                misses.numpy(), evictions.numpy(), miss_src.numpy(), miss_dst.numpy())
-    _copy_misses(_as_words(host_kv), _as_words(device_kv), miss_src.numpy(), miss_dst.numpy(), misses.numpy())
+    referenced = policy.state.get("referenced")
+    if referenced is None:
+        referenced = _NO_STATE
+    plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
+    error, detail, src, dst = plan(
+        top_k.numpy(), rows.numpy(), slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
+        referenced.numpy(), POLICY_CODES[policy.name], page_table.numpy(), misses.numpy(), evictions.numpy(),
+    )
+    if error:
+        raise_value_error(error, detail, slot_pos.shape, host_rows.shape[1])
+    if src.size:
+        row_bytes = host_kv.shape[1] * host_kv.element_size()
+        copy = _copy_rows_parallel if src.size * row_bytes >= PARALLEL_MIN_BYTES else _copy_rows_serial
+        copy(_as_words(host_kv), _as_words(device_kv), src, dst)
     return SwapInResult(page_table, misses, evictions)
 
 
@@ -175,18 +198,31 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, po
     return n_miss, n_evict
 
 
-@njit(parallel=True, cache=True)
-def _plan_batch(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
-                page_table, misses, evictions, miss_src, miss_dst):
-    for b in prange(top_k.shape[0]):
-        n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
-                                    policy, page_table, miss_src, miss_dst)
-        misses[b] = n_miss
-        evictions[b] = n_evict
+@njit(cache=True)
+def _check_values(top_k, rows, num_rows, num_slots, context):
+    """(error code, detail) as swap_in.raise_value_error reads them; (0, 0) when valid. Runs first."""
+    seen = np.zeros(num_rows, np.uint8)
+    for b in range(top_k.shape[0]):
+        r = rows[b]
+        if r < 0 or r >= num_rows:
+            return ROW_OUT_OF_RANGE, r
+        if seen[r]:
+            return ROW_TWICE, r
+        seen[r] = 1
+        count = 0
+        for j in range(top_k.shape[1]):
+            p = top_k[b, j]
+            if p < -1 or p >= context:
+                return POSITION_OUT_OF_RANGE, p
+            count += p >= 0
+        if count > num_slots:
+            return TOO_MANY_SELECTED, count
+    return 0, 0
 
 
-@njit(parallel=True, cache=True)
-def _copy_misses(host, device, miss_src, miss_dst, misses):
+@njit(cache=True)
+def _flatten_misses(miss_src, miss_dst, misses):
+    """The batch's copies as one list, so the parallel copy balances over misses, not requests."""
     total = 0
     for b in range(misses.shape[0]):
         total += misses[b]
@@ -198,8 +234,61 @@ def _copy_misses(host, device, miss_src, miss_dst, misses):
             src[k] = miss_src[b, i]
             dst[k] = miss_dst[b, i]
             k += 1
+    return src, dst
+
+
+@njit(cache=True)
+def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
+                       page_table, misses, evictions):
+    """Check, plan every request, and list the copies: (error, detail, src rows, dst rows)."""
+    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1])
+    miss_src = np.empty(top_k.shape, np.int64)
+    miss_dst = np.empty(top_k.shape, np.int64)
+    if error == 0:
+        for b in range(top_k.shape[0]):
+            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
+                                        policy, page_table, miss_src, miss_dst)
+            misses[b] = n_miss
+            evictions[b] = n_evict
+    else:
+        misses[:] = 0
+    src, dst = _flatten_misses(miss_src, miss_dst, misses)
+    return error, detail, src, dst
+
+
+@njit(parallel=True, cache=True)
+def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
+                         page_table, misses, evictions):
+    """_plan_batch_serial with one request per iteration of a parallel loop."""
+    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1])
+    miss_src = np.empty(top_k.shape, np.int64)
+    miss_dst = np.empty(top_k.shape, np.int64)
+    if error == 0:
+        for b in prange(top_k.shape[0]):
+            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
+                                        policy, page_table, miss_src, miss_dst)
+            misses[b] = n_miss
+            evictions[b] = n_evict
+    else:
+        misses[:] = 0
+    src, dst = _flatten_misses(miss_src, miss_dst, misses)
+    return error, detail, src, dst
+
+
+@njit(cache=True)
+def _copy_rows_serial(host, device, src, dst):
     words = host.shape[1]
-    for i in prange(total):
+    for i in range(src.shape[0]):
+        s = src[i]
+        d = dst[i]
+        for w in range(words):
+            device[d, w] = host[s, w]
+
+
+@njit(parallel=True, cache=True)
+def _copy_rows_parallel(host, device, src, dst):
+    words = host.shape[1]
+    for i in prange(src.shape[0]):
         s = src[i]
         d = dst[i]
         for w in range(words):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hisparse.kernels import swap_in_cpu
 from hisparse.kernels.swap_in import SwapInResult, swap_in
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 
@@ -168,11 +170,23 @@ def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps
     return build()
 
 
+@contextmanager
+def cpu_parallel_always():
+    """The test batches are small; force the cpu path's parallel loops (the default runs them serially)."""
+    saved = swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES
+    swap_in_cpu.PARALLEL_MIN_SELECTED = swap_in_cpu.PARALLEL_MIN_BYTES = 0
+    try:
+        yield
+    finally:
+        swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES = saved
+
+
 @pytest.mark.parametrize("policy", ["lru", "fifo", "clock"])
 @FAST
-@given(case=cases())
-def test_cpu_matches_reference(policy, case):
-    assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
+@given(case=cases(), parallel=st.booleans())
+def test_cpu_matches_reference(policy, case, parallel):
+    with cpu_parallel_always() if parallel else nullcontext():
+        assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
@@ -263,8 +277,7 @@ def _tables(batch: int = 2, num_slots: int = 4, context: int = 10):
 
 
 def _call(top_k, **overrides):
-    args = _tables()
-    args.update(overrides)
+    args = {**_tables(), **overrides}
     policy = args.pop("policy", "lru")
     backend = args.pop("backend", "auto")
     return swap_in(top_k, args["rows"], args["slot_pos"], args["lru"], args["device_rows"],
@@ -287,8 +300,7 @@ def test_more_selected_positions_than_slots_is_an_error(backend):
         (dict(policy="clock"), "per-slot state"),
         (dict(backend="cuda"), "unknown swap-in backend"),
         (dict(backend="triton", policy=get_policy("clock", num_rows=2, num_slots=4)), "triton"),
-        (dict(rows=torch.tensor([1, 1])), "same row"),
-        (dict(rows=torch.tensor([0, 2])), "rows must be in"),
+        (dict(host_rows=torch.zeros(2, 10, dtype=torch.int32)), "host_rows must be"),
         (dict(slot_pos=torch.full((2, 4), -1, dtype=torch.int64)), "slot_pos must be"),
         (dict(device_kv=torch.zeros(8, 4, dtype=torch.float16)), "device_kv is"),
         (dict(device_kv=torch.zeros(8, 5)), "one W"),
@@ -300,10 +312,23 @@ def test_bad_arguments_are_value_errors(overrides, match):
         _call(torch.tensor([[0, 1], [2, -1]]), **overrides)
 
 
-@pytest.mark.parametrize("bad", [10, -2])
-def test_positions_outside_the_context_are_rejected(bad):
-    with pytest.raises(ValueError, match="top_k positions"):
-        _call(torch.tensor([[0, bad], [2, -1]]))
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize(
+    ("top_k", "rows", "match"),
+    [
+        ([[0, 10], [2, -1]], [0, 1], "top_k positions"),
+        ([[0, -2], [2, -1]], [0, 1], "top_k positions"),
+        ([[0, 1], [2, -1]], [1, 1], "same row"),
+        ([[0, 1], [2, -1]], [0, 2], "rows must be in"),
+        ([[0, 1, 2, 3, 4], [2, -1, -1, -1, -1]], [0, 1], "4 slots"),
+    ],
+)
+def test_bad_values_are_value_errors_and_change_nothing(backend, top_k, rows, match):
+    args = _tables()
+    slot_pos, lru = args["slot_pos"].clone(), args["lru"].clone()
+    with pytest.raises(ValueError, match=match):
+        _call(torch.tensor(top_k), **{**args, "rows": torch.tensor(rows)}, backend=backend)
+    assert torch.equal(args["slot_pos"], slot_pos) and torch.equal(args["lru"], lru)
 
 
 def test_empty_batch_is_a_no_op():
