@@ -1,0 +1,167 @@
+"""Swap-in throughput on this machine against the bandwidth of a plain memory copy.
+
+A miss copies one token's K and V row of one layer from the host pool into the device pool, so at high
+miss rates the swap-in is a scattered gather and the ceiling is the memory bandwidth: we compare the
+fast CPU path's GB/s with a plain `copy_` of a large buffer measured in the same run. At low miss rates
+the cost is the bookkeeping, so the table also gives the time per call.
+
+Each call swaps in one layer for a batch: every request selects `top_k` positions from a context much
+larger than its full hot buffer, exactly `miss rate x top_k` of them (in total over the batch) not in
+the buffer. The host pool is larger than the caches and its rows are scattered, as in a real pool.
+
+    python -m hisparse.bench.swap_in [--repeats 7] [--buffer 512] [--top-k 256] [--dtype float32,bfloat16]
+
+GB/s counts the bytes of the missed rows once (as the plain copy counts its buffer once); "miss rows/s"
+is missed rows copied per second; us/call is the whole call, bookkeeping and argument checks included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import numba
+import torch
+
+from hisparse.kernels.swap_in import swap_in
+from hisparse.memory.eviction import new_slot_tables, reset_row
+
+# The default model (SmolLM2-135M): 3 KV heads of dim 64; one row holds a token's K and V of one layer.
+KV_HEADS, HEAD_DIM = 3, 64
+ROW_VALUES = 2 * KV_HEADS * HEAD_DIM
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Pools:
+    """One layer's memory: a large scattered host pool and a device pool of full hot buffers."""
+
+    host_kv: torch.Tensor
+    device_kv: torch.Tensor
+    host_rows: torch.Tensor
+    device_rows: torch.Tensor
+    slot_pos: torch.Tensor
+    lru: torch.Tensor
+
+    @property
+    def row_bytes(self) -> int:
+        return self.host_kv.shape[1] * self.host_kv.element_size()
+
+
+def make_pools(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int, gen: torch.Generator) -> Pools:
+    row_bytes = ROW_VALUES * torch.finfo(dtype).bits // 8
+    host_size = host_bytes // row_bytes
+    context = host_size // num_rows
+    if context < 2 * num_slots:
+        raise ValueError(f"a {host_bytes >> 20} MiB host pool holds {context} tokens per request, "
+                         f"too few for a buffer of {num_slots}")
+    host_kv = torch.empty(host_size, ROW_VALUES, dtype=dtype)
+    host_kv.fill_(0.5)  # touch every page before timing
+    device_kv = torch.zeros(num_rows * num_slots, ROW_VALUES, dtype=dtype)
+    host_rows = torch.randperm(host_size, generator=gen)[: num_rows * context].view(num_rows, context)
+    device_rows = torch.arange(num_rows * num_slots).view(num_rows, num_slots)
+    slot_pos, lru = new_slot_tables(num_rows, num_slots)
+    for r in range(num_rows):
+        reset_row(slot_pos, lru, r, range(num_slots))
+    return Pools(host_kv, device_kv, host_rows, device_rows, slot_pos, lru)
+
+
+def make_top_k(pools: Pools, batch: int, top_k: int, total_misses: int, gen: torch.Generator) -> torch.Tensor:
+    """Selections with exactly `total_misses` positions outside the buffers, spread over the batch."""
+    context = pools.host_rows.shape[1]
+    out = torch.empty(batch, top_k, dtype=torch.int64)
+    for b in range(batch):
+        misses = total_misses // batch + (b < total_misses % batch)
+        held = pools.slot_pos[b].long()
+        outside = torch.ones(context, dtype=torch.bool)
+        outside[held[held >= 0]] = False
+        cold = outside.nonzero().squeeze(1)
+        hits = held[torch.randperm(held.numel(), generator=gen)[: top_k - misses]]
+        new = cold[torch.randperm(cold.numel(), generator=gen)[:misses]]
+        out[b] = torch.cat((hits, new))[torch.randperm(top_k, generator=gen)]
+    return out
+
+
+def time_swap_in(pools: Pools, backend: str, batch: int, top_k: int, total_misses: int, repeats: int,
+                 gen: torch.Generator) -> float:
+    """Median seconds per call; the selection of each call is made from the state the last one left."""
+    rows = torch.arange(batch)
+    times = []
+    for i in range(repeats + 1):
+        selection = make_top_k(pools, batch, top_k, total_misses, gen)
+        start = time.perf_counter()
+        res = swap_in(selection, rows, pools.slot_pos, pools.lru, pools.device_rows, pools.host_rows,
+                      pools.host_kv, pools.device_kv, backend=backend)
+        elapsed = time.perf_counter() - start
+        assert int(res.misses.sum()) == total_misses
+        if i:  # the first call compiles (numba) and warms the caches
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def plain_copy_gbps(buffer_bytes: int, repeats: int) -> float:
+    src = torch.empty(buffer_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return buffer_bytes / statistics.median(times[1:]) / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
+    parser.add_argument("--buffer", type=int, default=512, help="hot slots per request (S)")
+    parser.add_argument("--top-k", type=int, default=256, help="positions selected per request (K)")
+    parser.add_argument("--dtype", default="float32,bfloat16", help="comma list of float32, bfloat16")
+    parser.add_argument("--batches", default="1,16,64", help="comma list of batch sizes")
+    parser.add_argument("--miss-rates", default="0.001,0.2,1.0", help="comma list of miss fractions")
+    parser.add_argument("--host-gib", type=float, default=1.0, help="host pool size per dtype, GiB")
+    parser.add_argument("--copy-mib", type=int, default=256, help="plain-copy buffer, MiB")
+    parser.add_argument("--backends", default="cpu,reference", help="comma list of swap-in backends")
+    parser.add_argument("--threading-layer", default=None,
+                        help="numba threading layer (omp, workqueue, tbb); default: numba's choice")
+    args = parser.parse_args(argv)
+    if args.threading_layer:
+        numba.config.THREADING_LAYER = args.threading_layer
+    if args.top_k > args.buffer:
+        parser.error("--top-k must not exceed --buffer")
+    batches = [int(x) for x in args.batches.split(",")]
+    rates = [float(x) for x in args.miss_rates.split(",")]
+    backends = args.backends.split(",")
+    gen = torch.Generator().manual_seed(0)
+
+    copy_gbps = plain_copy_gbps(args.copy_mib << 20, args.repeats)
+    print(f"plain copy of {args.copy_mib} MiB (torch copy_): {copy_gbps:.2f} GB/s, "
+          f"threads: torch {torch.get_num_threads()}, numba {numba.config.NUMBA_NUM_THREADS} "
+          f"(layer {numba.config.THREADING_LAYER})")
+    print(f"S={args.buffer} K={args.top_k} row={ROW_VALUES} values, host pool {args.host_gib:g} GiB, "
+          f"median of {args.repeats}")
+    header = f"{'backend':>9} {'dtype':>8} {'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} " \
+             f"{'miss rows/s':>11} {'GB/s':>7}"
+    for name in args.dtype.split(","):
+        dtype = DTYPES[name]
+        pools = make_pools(max(batches), args.buffer, dtype, int(args.host_gib * (1 << 30)), gen)
+        print(header)
+        best_full: dict[str, float] = {}
+        for backend in backends:
+            for batch in batches:
+                for rate in rates:
+                    total_misses = round(rate * batch * args.top_k)
+                    seconds = time_swap_in(pools, backend, batch, args.top_k, total_misses, args.repeats, gen)
+                    gbps = total_misses * pools.row_bytes / seconds / 1e9
+                    print(f"{backend:>9} {name:>8} {batch:>5} {rate:>6.1%} {total_misses:>7} "
+                          f"{seconds * 1e6:>9.0f} {total_misses / seconds:>11.3g} {gbps:>7.2f}")
+                    if rate == 1.0:
+                        best_full[backend] = max(best_full.get(backend, 0.0), gbps)
+        for backend, gbps in best_full.items():
+            print(f"{name}: {backend} GB/s at 100% misses / plain copy GB/s = {gbps / copy_gbps:.2f}")
+        del pools
+
+
+if __name__ == "__main__":
+    main()
