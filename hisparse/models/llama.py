@@ -44,11 +44,11 @@ class LlamaAttention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(n, self.num_kv_heads, self.head_dim)
+        # Q and K heads rotate together: one RoPE call instead of two.
+        qk = apply_rope_half(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim),
+                             cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        q = apply_rope_half(q, cos, sin)
-        k = apply_rope_half(k, cos, sin)
         index = {}
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer(x, cos, sin)
