@@ -1,0 +1,109 @@
+"""The lightning indexer that makes a Llama-family model (SmolLM2) a sparse-attention model.
+
+DeepSeek-V3.2's indexer, fitted to a model without a query latent:
+
+    I[t, s] = sum_h w_h(x_t) * ReLU(q_{t,h} . k_s) / sqrt(d_I),   w = W_w x / sqrt(H_I)
+
+with x the layer's attention input (the hidden state after the input RMSNorm), q = W_q x in H_I heads
+of d_I dims, and one key per token k = LayerNorm(W_k x), shared by all heads. The first `rope_dim`
+dims of q and k are rotated (half-split, like the model's own attention); the rest carry content
+only. The rotation reuses the model's cos/sin table: taking every `stride`-th of its frequencies is
+exactly a RoPE of `rope_dim` dims with the same theta, so the indexer needs no table of its own.
+
+The projections, the score and the causal top-k are the DSA indexer's (`dsa_indexer`): only the query
+input differs (x here, the q latent there). The default sizes (4 heads of 64, RoPE on 32) keep the
+key 68 bytes per token per layer in FP8 (64 e4m3 + one fp32 scale), 1/11 of SmolLM2's 768-byte bf16
+K+V; `hisparse.train_indexer` trains them, `hisparse/weights/smollm2_indexer.safetensors` ships them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from hisparse.layers.dsa_indexer import LightningIndexer, index_scores, select_topk
+
+SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2_indexer.safetensors"
+
+__all__ = ["IndexerConfig", "LlamaIndexer", "attach_indexers", "load_indexer_weights", "save_indexer_weights",
+           "index_scores", "select_topk", "SHIPPED_WEIGHTS"]
+
+
+@dataclass
+class IndexerConfig:
+    n_heads: int = 4
+    head_dim: int = 64
+    rope_dim: int = 32
+    top_k: int = 256
+    dense_layers: list[int] = field(default_factory=list)  # layers whose decode should stay dense
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> IndexerConfig:
+        return cls(**json.loads(text))
+
+
+class LlamaIndexer(LightningIndexer):
+    """One layer's indexer. `wq_b` reads x directly (its "q latent" is the attention input)."""
+
+    def __init__(self, hidden_size: int, model_head_dim: int, config: IndexerConfig) -> None:
+        if config.rope_dim % 2 or model_head_dim % config.rope_dim:
+            raise ValueError(f"rope_dim ({config.rope_dim}) must be even and divide the model's head dim "
+                             f"({model_head_dim})")
+        if config.rope_dim > config.head_dim:
+            raise ValueError(f"rope_dim ({config.rope_dim}) exceeds the indexer head dim ({config.head_dim})")
+        super().__init__(hidden_size, hidden_size, config.n_heads, config.head_dim, config.rope_dim,
+                         rope_interleaved=False, top_k=config.top_k)
+        self.rope_stride = model_head_dim // config.rope_dim
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, hidden]; cos/sin [N, model_head_dim / 2] -> q [N, H, d], k [N, d], w [N, H] (fp32).
+
+        w carries both 1/sqrt(H) and the 1/sqrt(d) score scale, so I = index_scores(q, w, k).
+        """
+        cos, sin = cos[..., ::self.rope_stride], sin[..., ::self.rope_stride]
+        return self.queries(x, cos, sin), self.keys(x, cos, sin), self.head_weights(x)
+
+
+def attach_indexers(model, config: IndexerConfig) -> list[LlamaIndexer]:
+    """Give every attention layer of `model` a fresh (untrained, float32) indexer; return them in order."""
+    mc = model.config
+    indexers = []
+    for layer in model.layers:
+        indexer = LlamaIndexer(mc.hidden_size, mc.head_dim, config)
+        layer.attn.indexer = indexer
+        indexers.append(indexer)
+    model.indexer_config = config
+    return indexers
+
+
+def save_indexer_weights(path: str | Path, indexers: list[LlamaIndexer], config: IndexerConfig,
+                         dtype: torch.dtype = torch.bfloat16, extra: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"layers.{i}.{name}": p.detach().to(dtype).contiguous()
+               for i, indexer in enumerate(indexers) for name, p in indexer.state_dict().items()}
+    save_file(tensors, str(path), metadata={"indexer_config": config.to_json(), **(extra or {})})
+
+
+def load_indexer_weights(model, path: str | Path = SHIPPED_WEIGHTS) -> IndexerConfig:
+    """Attach indexers to `model` and fill them from a file written by `save_indexer_weights` (float32)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        config = IndexerConfig.from_json(f.metadata()["indexer_config"])
+        state = {name: f.get_tensor(name).float() for name in f.keys()}
+    indexers = attach_indexers(model, config)
+    if len(state) != sum(len(ix.state_dict()) for ix in indexers):
+        raise ValueError(f"'{path}' holds {len(state)} tensors; the model's {len(indexers)} indexers need "
+                         f"{sum(len(ix.state_dict()) for ix in indexers)}")
+    for i, indexer in enumerate(indexers):
+        prefix = f"layers.{i}."
+        indexer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        indexer.eval().requires_grad_(False)
+    return config

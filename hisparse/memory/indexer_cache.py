@@ -1,0 +1,67 @@
+"""The lightning indexer's key cache: every token's index key of every layer, always on the device.
+
+Under HiSparse the big K/V rows of old tokens live in the host pool, but selection must score every
+past token each decode step, so the indexer keys of all tokens stay on the device. They are stored as
+DSA stores them: the Hadamard-rotated key in e4m3 with one fp32 scale (68 bytes for 64 dims), and the
+query goes through the same rotation and quantization before scoring (`IndexKeyFormat` of the DSA
+indexer). A request owns one slot per position it may ever hold; `select` works in positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.slot_allocator import SlotAllocator
+
+_NEWEST = float("inf")
+
+
+class IndexerKeyCache:
+    """Per-token lightning-indexer keys of every layer, FP8 (e4m3) + one fp32 scale per token."""
+
+    def __init__(self, num_layers: int, num_slots: int, index_dim: int, device="cpu") -> None:
+        self.num_layers = num_layers
+        self.index_dim = index_dim
+        self.format = IndexKeyFormat("fp8", index_dim)
+        self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
+        self.allocator = SlotAllocator(num_slots)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.format.row_bytes
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [N, index_dim] (float) go to rows `slots` [N] of `layer`."""
+        self.rows[layer].index_copy_(0, slots, self.format.pack(keys))
+
+    def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The dequantized keys at `slots` (any shape) -> [*slots.shape, index_dim] float32, in the Hadamard
+        basis they are stored in (score them with `format.prepare_query(q)`)."""
+        return self.format.unpack(self.rows[layer][slots])
+
+    def scores(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """I[b, p] = sum_h w[b, h] * ReLU(q[b, h] . k[slots[b, p]]): [B, L] for q [B, H, d], w [B, H]."""
+        keys = self.keys(layer, slots)  # [B, L, d]
+        q = self.format.prepare_query(index_q)
+        per_head = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [B, H, L]
+        return torch.bmm(index_w.float().unsqueeze(1), per_head).squeeze(1)
+
+    def select(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor,
+               lengths: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Top-k positions per request: int64 [B, min(top_k, Lmax)], ascending, padded with -1.
+
+        slots[b, p] holds position p's key for p < lengths[b] (the rest is ignored). The newest position
+        (lengths[b] - 1) is always selected; a request with lengths[b] <= top_k gets every position.
+        """
+        b, width = slots.shape
+        k = min(top_k, width)
+        scores = self.scores(layer, index_q, index_w, slots)
+        positions = torch.arange(width, device=slots.device)
+        past = positions[None, :] < lengths[:, None]
+        scores = scores.masked_fill(~past, float("-inf"))
+        scores[torch.arange(b, device=slots.device), lengths - 1] = _NEWEST
+        values, picked = scores.topk(k, dim=-1, sorted=False)
+        picked = picked.masked_fill(values == float("-inf"), width)  # padding sorts last...
+        picked = picked.sort(dim=-1).values
+        return picked.masked_fill_(picked == width, -1)  # ...and reads as -1
