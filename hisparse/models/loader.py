@@ -82,8 +82,13 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def load_llama(model: str | Path | None = None) -> LlamaForCausalLM:
-    """Load weights into a float32 model in eval mode, projections fused for inference."""
+def load_llama(model: str | Path | None = None, indexer: bool | str | Path | None = None) -> LlamaForCausalLM:
+    """Load weights into a float32 model in eval mode, projections fused for inference.
+
+    indexer: None (default) attaches the shipped trained lightning indexers when `model` is the default
+    model (which makes it the sparse-attention model); True requires them; False loads none; a path
+    loads indexer weights from that file.
+    """
     path = resolve_model_path(model)
     config, state = load_gguf(path) if path.is_file() else load_hf_llama(path)
     with torch.device("meta"):
@@ -98,4 +103,15 @@ def load_llama(model: str | Path | None = None) -> LlamaForCausalLM:
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
     net.fuse_projections()
+    if indexer is not False:
+        from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights
+
+        if indexer is None or indexer is True:
+            if path == resolve_model_path(None) and SHIPPED_WEIGHTS.exists():
+                load_indexer_weights(net, SHIPPED_WEIGHTS)
+            elif indexer is True:
+                raise ValueError(f"no shipped indexer weights for '{path}' ({SHIPPED_WEIGHTS} is for the default "
+                                 "model); pass a file")
+        else:
+            load_indexer_weights(net, indexer)
     return net

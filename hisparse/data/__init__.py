@@ -1,0 +1,1 @@
+"""Offline text corpora: real English prose that every machine has without a download."""

@@ -1,0 +1,281 @@
+"""Train the lightning indexers of SmolLM2 by DeepSeek's dense warm-up: `python -m hisparse.train_indexer`.
+
+The model stays frozen. For every layer the target is the model's own attention distribution, summed
+over heads and L1-normalised (the mean over heads); the loss is KL(target || softmax(I)) over the causal
+past, I the indexer scores. All 30 layers train from the same forward passes:
+
+1. capture: one frozen forward per `--seq-len` chunk of the training text records each layer's attention
+   input x (after the input RMSNorm) to a float16 memmap in `--out` (about 3.4 GB for 2k-token chunks);
+2. epochs: per chunk and layer, the target is recomputed from x with the layer's frozen q/k projections
+   (cheap: it is one attention's logits), for `--queries` query rows drawn at random from the chunk (new
+   rows every epoch; the keys are always the whole causal past), and every layer's indexer takes its own
+   gradient step from the same chunk.
+
+Data: the Python documentation shipped with the standard library (`hisparse.data.pydoc_corpus`), the
+held-out topics never used. Progress bar, a checkpoint after every epoch (`--resume` continues from it;
+the seed fixes the initialisation, the chunk order and the query rows of every epoch, so a resumed run
+is the same run), a held-out recall line after every epoch, and the final weights as bf16 safetensors
+(`--export`, default `<out>/smollm2_indexer.safetensors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hisparse.layers.attention import SingleSequenceCache
+from hisparse.layers.indexer import IndexerConfig, LlamaIndexer, attach_indexers, save_indexer_weights
+from hisparse.layers.rotary import apply_rope_half
+
+
+class _CaptureInput(torch.nn.Module):
+    """Stands in for a layer's indexer during capture: keeps x, returns no index tensors."""
+
+    def __init__(self, sink: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def forward(self, x, cos, sin):
+        self.sink.append(x.detach().clone())
+        return None, None, None
+
+
+@torch.inference_mode()
+def capture_attention_inputs(model, ids: torch.Tensor) -> torch.Tensor:
+    """One frozen forward over `ids` (positions 0..T-1) -> every layer's attention input [L, T, hidden]."""
+    sink: list[torch.Tensor] = []
+    saved = [layer.attn.indexer for layer in model.layers]
+    try:
+        for layer in model.layers:
+            layer.attn.indexer = _CaptureInput(sink)
+        model(ids, torch.arange(ids.shape[0]), SingleSequenceCache(len(model.layers), model.attention_scale))
+    finally:
+        for layer, indexer in zip(model.layers, saved, strict=True):
+            layer.attn.indexer = indexer
+    return torch.stack(sink)
+
+
+_MASKED = -1e30  # finite, so that 0 * log p stays 0 at masked (future) positions
+
+
+@torch.no_grad()
+def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The frozen model's attention of query rows `rows` over keys 0..T-1 of the sequence whose layer
+    input is x [T, hidden], summed over heads and L1-normalised: [R, T], zero after each row's position."""
+    attn = model.layers[layer].attn
+    mc = model.config
+    groups, per_group, d = mc.num_kv_heads, mc.num_heads // mc.num_kv_heads, mc.head_dim
+    cos, sin = model.rotary.cos_sin(torch.arange(x.shape[0]))
+    q = apply_rope_half((x[rows] @ attn.q_proj.weight.T).view(-1, mc.num_heads, d), cos[rows], sin[rows])
+    k = apply_rope_half((x @ attn.k_proj.weight.T).view(-1, groups, d), cos, sin)
+    # Query head h reads KV head h // per_group: batch the matmul per KV head, never expanding K.
+    qg = q.view(-1, groups, per_group, d).permute(1, 2, 0, 3).reshape(groups, -1, d)
+    logits = torch.bmm(qg, k.permute(1, 2, 0)).view(mc.num_heads, len(rows), -1)
+    logits.mul_(model.attention_scale)
+    future = torch.arange(x.shape[0])[None, :] > rows[:, None]
+    probs = logits.masked_fill_(future, float("-inf")).softmax(-1)
+    return probs.mean(0)
+
+
+def indexer_logits(indexer: LlamaIndexer, x: torch.Tensor, rows: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Index scores I [R, T] of query rows over all keys, a large negative number after each row's
+    position (differentiable)."""
+    cos, sin = cos[..., ::indexer.rope_stride], sin[..., ::indexer.rope_stride]
+    q, w = indexer.queries(x[rows], cos[rows], sin[rows]), indexer.head_weights(x[rows])
+    k = indexer.keys(x, cos, sin)
+    per_head = torch.matmul(q, k.T).relu()  # [R, H, T]
+    scores = torch.bmm(w.unsqueeze(1), per_head).squeeze(1)
+    future = torch.arange(x.shape[0])[None, :] > rows[:, None]
+    return scores.masked_fill(future, _MASKED)
+
+
+def kl_loss(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(target || softmax(logits)); both [R, T], target 0 where logits are masked."""
+    cross = -(target * logits.log_softmax(-1)).sum(-1)
+    with torch.no_grad():
+        neg_entropy = torch.xlogy(target, target).sum(-1)
+    return (cross + neg_entropy).mean()
+
+
+def topk_mass(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, top_k: int) -> tuple[float, float]:
+    """(indexer mass, oracle mass): mean over rows of the target mass inside the indexer's top_k (newest
+    position forced in, as decode does) and inside the target's own top_k."""
+    scores = scores.clone()
+    scores[torch.arange(len(rows)), rows] = float("inf")
+    picked = scores.topk(top_k, dim=-1).indices
+    mass = target.gather(1, picked).sum(-1)
+    oracle = target.topk(top_k, dim=-1).values.sum(-1)
+    return float(mass.mean()), float(oracle.mean())
+
+
+def _sample_rows(generator: torch.Generator, length: int, n: int, min_row: int) -> torch.Tensor:
+    return torch.randperm(length - min_row, generator=generator)[:n].sort().values + min_row
+
+
+def _chunks(tokens: list[int], seq_len: int) -> list[torch.Tensor]:
+    return [torch.tensor(tokens[i:i + seq_len]) for i in range(0, len(tokens) - seq_len + 1, seq_len)]
+
+
+def capture_to_memmap(model, chunks: list[torch.Tensor], folder: Path, name: str, needed: int) -> np.memmap:
+    """Capture the layer inputs of the first `needed` chunks into <folder>/<name>.f16, a store sized for
+    all of them; what an earlier (interrupted or smaller) run captured is kept."""
+    mc = model.config
+    shape = (len(chunks), mc.num_layers, chunks[0].shape[0], mc.hidden_size)
+    path, done = folder / f"{name}.f16", folder / f"{name}.done.json"
+    start = 0
+    if path.exists() and done.exists() and json.loads(done.read_text()).get("shape") == list(shape):
+        start = json.loads(done.read_text())["chunks"]
+    store = np.memmap(path, dtype=np.float16, mode="r+" if start else "w+", shape=shape)
+    for i in tqdm(range(start, needed), desc=f"capture {name}", initial=min(start, needed), total=needed):
+        store[i] = capture_attention_inputs(model, chunks[i]).numpy().astype(np.float16)
+        store.flush()
+        done.write_text(json.dumps({"shape": list(shape), "chunks": i + 1}))
+    return store
+
+
+def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int, min_row: int) -> list[dict]:
+    """Held-out recall of every layer on the first held-out chunk, on evenly spaced query rows."""
+    t = store.shape[2]
+    rows = torch.linspace(min_row, t - 1, rows_per_layer).long()
+    cos, sin = model.rotary.cos_sin(torch.arange(t))
+    out = []
+    with torch.no_grad():
+        for layer, indexer in enumerate(indexers):
+            x = torch.from_numpy(np.asarray(store[0, layer])).float()
+            target = attention_target(model, layer, x, rows)
+            logits = indexer_logits(indexer, x, rows, cos, sin)
+            mass, oracle = topk_mass(target, logits, rows, top_k)
+            out.append({"layer": layer, "kl": float(kl_loss(target, logits)), "mass": mass, "oracle": oracle})
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hisparse.train_indexer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/indexer"), help="run folder (captures, checkpoint, log)")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    p.add_argument("--export", type=Path, default=None,
+                   help="where to write the final bf16 safetensors (default <out>/smollm2_indexer.safetensors)")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per training chunk (positions 0..seq_len-1)")
+    p.add_argument("--queries", type=int, default=512, help="query rows per chunk and layer, drawn each epoch")
+    p.add_argument("--min-row", type=int, default=64, help="query rows are drawn from positions >= this")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate (cosine decay to 5%%)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rope-dim", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=256, help="the top_k stored in the weights and used for recall")
+    p.add_argument("--layers", type=str, default=None, help="train only these layers, e.g. '0,5,29' (pilots)")
+    p.add_argument("--max-chunks", type=int, default=None, help="use only the first N training chunks (pilots)")
+    p.add_argument("--capture-only", action="store_true", help="stop after capturing the layer inputs")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end this invocation after N epochs (checkpointed; continue with --resume)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    """Returns one summary per epoch run by this invocation (train and held-out KL, top-k mass)."""
+    from hisparse.data.pydoc_corpus import corpus_tokens
+    from hisparse.models.loader import load_llama, resolve_model_path
+    from hisparse.models.tokenizer import Tokenizer
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out / "train.log").open("a")
+
+    def say(message: str) -> None:
+        tqdm.write(message)
+        log.write(message + "\n")
+        log.flush()
+
+    model = load_llama(None, indexer=False)
+    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    train_chunks = _chunks(corpus_tokens(tokenizer, "train"), args.seq_len)
+    heldout_chunks = _chunks(corpus_tokens(tokenizer, "heldout"), args.seq_len)[:1]
+    n_chunks = min(args.max_chunks or len(train_chunks), len(train_chunks))
+    say(f"train: {n_chunks} of {len(train_chunks)} chunks of {args.seq_len} tokens; held-out eval: 1 chunk")
+    started = time.perf_counter()
+    train_store = capture_to_memmap(model, train_chunks, args.out, f"train_{args.seq_len}", n_chunks)
+    heldout_store = capture_to_memmap(model, heldout_chunks, args.out, f"heldout_{args.seq_len}", 1)
+    say(f"capture: {time.perf_counter() - started:.0f} s")
+    if args.capture_only:
+        return []
+
+    config = IndexerConfig(args.heads, args.head_dim, args.rope_dim, args.top_k)
+    torch.manual_seed(args.seed)
+    indexers = attach_indexers(model, config)
+    layers = list(range(len(indexers))) if args.layers is None else [int(v) for v in args.layers.split(",")]
+    params = [p for i in layers for p in indexers[i].parameters()]
+    optimizer = torch.optim.Adam(params, lr=args.lr)
+    total_steps = args.epochs * n_chunks
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    first_epoch = 0
+    checkpoint = args.out / "checkpoint.pt"
+    if args.resume and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        for indexer, sd in zip(indexers, state["indexers"], strict=True):
+            indexer.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        first_epoch = state["epoch"] + 1
+        say(f"resumed after epoch {state['epoch']}")
+
+    t = args.seq_len
+    cos, sin = model.rotary.cos_sin(torch.arange(t))
+    summaries = []
+    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, first_epoch + args.stop_after)
+    for epoch in range(first_epoch, last_epoch):
+        order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        bar = tqdm(order.tolist(), desc=f"epoch {epoch + 1}/{args.epochs}")
+        losses = []
+        for chunk in bar:
+            gen = torch.Generator().manual_seed((args.seed * 1000 + epoch) * 100_000 + chunk)
+            optimizer.zero_grad(set_to_none=True)
+            chunk_loss = 0.0
+            for layer in layers:
+                rows = _sample_rows(gen, t, args.queries, args.min_row)
+                x = torch.from_numpy(np.asarray(train_store[chunk, layer])).float()
+                target = attention_target(model, layer, x, rows)
+                loss = kl_loss(target, indexer_logits(indexers[layer], x, rows, cos, sin))
+                loss.backward()
+                chunk_loss += loss.item()
+            optimizer.step()
+            schedule.step()
+            losses.append(chunk_loss / len(layers))
+            bar.set_postfix(kl=f"{np.mean(losses[-10:]):.3f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
+        report = evaluate(model, indexers, heldout_store, 256, args.top_k, args.top_k)
+        report = [r for r in report if r["layer"] in layers]
+        ratio = np.mean([r["mass"] / r["oracle"] for r in report])
+        mass = np.mean([r["mass"] for r in report])
+        say(f"epoch {epoch + 1}: train kl {np.mean(losses):.4f} | held-out kl "
+            f"{np.mean([r['kl'] for r in report]):.4f}, top-{args.top_k} mass {mass:.3f}"
+            f" vs oracle {np.mean([r['oracle'] for r in report]):.3f} (ratio {ratio:.3f}) | "
+            f"{time.perf_counter() - started:.0f} s")
+        say("  per layer mass/oracle: " + " ".join(f"{r['layer']}:{r['mass']:.2f}/{r['oracle']:.2f}" for r in report))
+        summaries.append({"epoch": epoch + 1, "train_kl": float(np.mean(losses)),
+                          "heldout_kl": float(np.mean([r["kl"] for r in report])), "mass_ratio": float(ratio)})
+        torch.save({"indexers": [ix.state_dict() for ix in indexers], "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args)}, checkpoint)
+    if last_epoch < args.epochs:
+        say(f"stopped after epoch {last_epoch}; continue with --resume")
+        return summaries
+    export = args.export or args.out / "smollm2_indexer.safetensors"
+    save_indexer_weights(export, indexers, config, extra={
+        "trained_with": json.dumps({k: str(v) for k, v in vars(args).items()}, sort_keys=True)})
+    say(f"wrote {export} after {time.perf_counter() - started:.0f} s")
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

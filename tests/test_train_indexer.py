@@ -1,0 +1,51 @@
+"""The dense warm-up trainer: its target is the model's attention, its loss a KL, and a resumed run is the same run."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from hisparse.train_indexer import attention_target, kl_loss, main
+
+
+def test_target_is_the_models_head_averaged_attention(llama):
+    from hisparse.layers.rotary import apply_rope_half
+
+    torch.manual_seed(0)
+    x = torch.randn(30, llama.config.hidden_size)
+    rows = torch.tensor([0, 7, 29])
+    got = attention_target(llama, 4, x, rows)
+    attn = llama.layers[4].attn
+    cos, sin = llama.rotary.cos_sin(torch.arange(30))
+    q = apply_rope_half((x @ attn.q_proj.weight.T).view(30, 9, 64), cos, sin)
+    k = apply_rope_half((x @ attn.k_proj.weight.T).view(30, 3, 64), cos, sin)
+    want = torch.zeros(3, 30)
+    for h in range(9):
+        for i, r in enumerate(rows.tolist()):
+            want[i, :r + 1] += torch.softmax(q[r, h] @ k[:r + 1, h // 3].T / 8, -1) / 9
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_loss_is_kl_divergence():
+    torch.manual_seed(1)
+    target = torch.softmax(torch.randn(4, 10), -1)
+    target[:, 6:] = 0
+    target /= target.sum(-1, keepdim=True)
+    logits = torch.randn(4, 10)
+    logits[:, 6:] = -1e30
+    want = (target[:, :6] * (target[:, :6].log() - logits[:, :6].log_softmax(-1))).sum(-1).mean()
+    torch.testing.assert_close(kl_loss(target, logits), want)
+
+
+def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
+    common = ["--seq-len", "128", "--max-chunks", "2", "--layers", "2", "--queries", "32", "--min-row", "16",
+              "--top-k", "16", "--epochs", "3", "--threads", "2", "--lr", "1e-2"]
+    straight = main([*common, "--out", str(tmp_path / "a")])
+    assert straight[-1]["train_kl"] < straight[0]["train_kl"]
+    first = main([*common, "--out", str(tmp_path / "b"), "--stop-after", "1"])
+    assert len(first) == 1 and not (tmp_path / "b" / "smollm2_indexer.safetensors").exists()
+    rest = main([*common, "--out", str(tmp_path / "b"), "--resume"])
+    assert [s["epoch"] for s in rest] == [2, 3]
+    a = load_file(str(tmp_path / "a" / "smollm2_indexer.safetensors"))
+    b = load_file(str(tmp_path / "b" / "smollm2_indexer.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
