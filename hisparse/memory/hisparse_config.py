@@ -1,0 +1,56 @@
+"""`--hisparse-config`: the reference's JSON, parsed once, every error naming its field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from hisparse.memory.eviction import EVICTION_POLICIES
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    top_k: int = 256
+    device_buffer_size: int | None = None  # hot slots per request per layer; default 2 x top_k
+    host_to_device_ratio: int = 8
+    eviction_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "device_buffer_size", "host_to_device_ratio"):
+            value = getattr(self, name)
+            if value is None and name == "device_buffer_size":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"hisparse_config.{name} must be an integer, got {json.dumps(value)}")
+            if value < 1:
+                raise ValueError(f"hisparse_config.{name} must be >= 1, got {value}")
+        if self.device_buffer_size is None:
+            object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
+        if self.device_buffer_size < self.top_k:
+            raise ValueError(f"hisparse_config.device_buffer_size ({self.device_buffer_size}) must be >= "
+                             f"top_k ({self.top_k}): every selected token needs a hot slot")
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"hisparse_config.eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {json.dumps(self.eviction_policy)}")
+
+    @classmethod
+    def parse(cls, value: str | dict | HiSparseConfig | None, default_top_k: int = 256) -> HiSparseConfig:
+        """Accept the JSON text of the CLI flag, a dict from the Python API, or a config."""
+        if isinstance(value, HiSparseConfig):
+            return value
+        if value is None or value == "":
+            raw: object = {}
+        elif isinstance(value, str):
+            try:
+                raw = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"hisparse_config is not valid JSON: {error.msg} at column {error.colno}") from None
+        else:
+            raw = value
+        if not isinstance(raw, dict):
+            raise ValueError(f"hisparse_config must be a JSON object, got {type(raw).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"hisparse_config has an unknown field {unknown[0]!r} (known: {', '.join(known)})")
+        return cls(**{"top_k": default_top_k, **raw})
