@@ -15,14 +15,18 @@ Small steps (few requests, few missed bytes) run the same loops on the calling t
 thread pool costs more than they do. Beware of numba's default "omp" threading layer in a process
 that also runs torch: the CPU wheels of torch bundle their own libgomp, so two OpenMP runtimes share
 the cores and each parallel region of ours can wait milliseconds for a worker on a busy machine.
-`NUMBA_THREADING_LAYER=workqueue` (or `OMP_WAIT_POLICY=PASSIVE`) in the engine's environment avoids it.
+`NUMBA_THREADING_LAYER=workqueue` avoids it, so it is our default unless the user chose a layer.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from numba import njit, prange
+import os
+
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 from hisparse.kernels.swap_in import (
     POSITION_OUT_OF_RANGE,

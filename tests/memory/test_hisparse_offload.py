@@ -1,0 +1,136 @@
+"""HiSparse on the real model: offloading changes no result, the page table matches the buffer, nothing leaks.
+
+top_k and the hot buffer are set small (32 / 48 slots) so that contexts of a few hundred tokens are
+several times the buffer and misses really happen, while the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import SamplingParams
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.llm_engine import LLMEngine
+from hisparse.memory.hisparse_config import HiSparseConfig
+
+TOP_K, BUFFER = 32, 48
+BUDGET = 40_000_000
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in ("assignment", "class", "for", "with"))
+    ids = tokenizer.encode(text)
+    return [ids[:30], ids[100:260], ids[400:700], ids[800:1010]]
+
+
+def engine(llama, tokenizer, **kwargs) -> LLMEngine:
+    config = EngineConfig(top_k=TOP_K, chunked_prefill_size=128, max_running_requests=8, **kwargs)
+    return LLMEngine(config, model=llama, tokenizer=tokenizer)
+
+
+def hisparse_engine(llama, tokenizer, policy="lru", backend="auto", budget=BUDGET) -> LLMEngine:
+    return engine(llama, tokenizer, enable_hisparse=True, device_kv_budget=budget, swap_in_backend=backend,
+                  hisparse_config={"device_buffer_size": BUFFER, "eviction_policy": policy})
+
+
+def generate(e: LLMEngine, prompts, params=PARAMS) -> list[list[int]]:
+    requests = [e.add_request(p, params) for p in prompts]
+    while e.has_unfinished:
+        e.step()
+    return [r.output_token_ids for r in requests]
+
+
+def assert_all_free(e: LLMEngine) -> None:
+    usage = e.cache.usage()
+    assert usage["device_slots_used"] == 0
+    assert usage["host_slots_used"] == 0
+    assert usage["indexer_slots_used"] == 0
+    assert e.cache.row_allocator.num_used == 0
+    assert (e.cache.slot_pos == -1).all()
+
+
+@pytest.fixture(scope="module")
+def baseline_tokens(llama, tokenizer, prompts):
+    return generate(engine(llama, tokenizer), prompts)
+
+
+@pytest.mark.parametrize("policy, backend", [("lru", "cpu"), ("fifo", "cpu"), ("clock", "reference")])
+def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens, policy, backend):
+    e = hisparse_engine(llama, tokenizer, policy, backend)
+    assert generate(e, prompts) == baseline_tokens
+    stats = e.stats_dict()["swap_in"]
+    assert stats["misses"] > 0 and stats["hits"] > 0
+    assert stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * 4  # float32 rows
+    assert_all_free(e)
+
+
+def test_page_table_matches_buffer_mid_flight(llama, tokenizer, prompts):
+    e = hisparse_engine(llama, tokenizer)
+    requests = [e.add_request(p, PARAMS) for p in prompts[1:]]
+    for _ in range(12):
+        e.step()
+    cache = e.cache
+    checked = 0
+    for request in requests:
+        alloc = request.kv
+        assert alloc.buffered
+        for layer in range(cache.layout.num_layers):
+            slot_pos = cache.slot_pos[layer, alloc.row]
+            held = slot_pos[slot_pos >= 0].long()
+            assert held.unique().numel() == held.numel()  # no position twice
+            assert sorted(cache.lru[layer, alloc.row].tolist()) == list(range(BUFFER))  # order is a permutation
+            device = cache.device_kv[layer, cache.device_rows[alloc.row][slot_pos >= 0]]
+            host = cache.host_kv[layer, torch.from_numpy(alloc.host_rows)[held]]
+            assert torch.equal(device, host)
+            checked += held.numel()
+    assert checked > 0
+    for request in requests:
+        e.abort(request.request_id)
+    assert_all_free(e)
+
+
+def test_hisparse_admits_more_requests_under_the_same_budget(llama, tokenizer, prompts):
+    prompt = prompts[3]
+    per_request_baseline = len(prompt) + PARAMS.max_tokens
+    base = engine(llama, tokenizer, device_kv_budget=BUDGET // 8)
+    hs = hisparse_engine(llama, tokenizer, budget=BUDGET // 8)
+    for e in (base, hs):
+        for i in range(8):
+            e.add_request(prompt[i:], PARAMS)
+        e.step()
+    assert len(base.scheduler.running) == base.cache.capacity_tokens // per_request_baseline
+    assert len(hs.scheduler.running) > 2 * len(base.scheduler.running)
+    for e in (base, hs):
+        for r in [*e.scheduler.running, *e.scheduler.waiting]:
+            e.abort(r.request_id)
+    assert_all_free(hs)
+
+
+def test_requests_that_cannot_fit_are_refused_at_the_door(llama, tokenizer):
+    with pytest.raises(ValueError, match="budget"):
+        hisparse_engine(llama, tokenizer, budget=100_000)
+    e = hisparse_engine(llama, tokenizer, budget=4_000_000)
+    with pytest.raises(ValueError, match="capacity"):
+        e.add_request([1] * (e.cache.capacity_tokens + 1), PARAMS)
+
+
+@pytest.mark.parametrize("value, field", [
+    ("{", "JSON"), ('{"top_k": 8, "buffer": 3}', "'buffer'"), ('{"top_k": "8"}', "top_k"),
+    ('{"top_k": 8, "device_buffer_size": 4}', "device_buffer_size"), ('{"host_to_device_ratio": 0}', "ratio"),
+    ('{"eviction_policy": "mru"}', "eviction_policy"), ("[1]", "object"),
+])
+def test_bad_hisparse_config_names_the_problem(value, field):
+    with pytest.raises(ValueError, match=field):
+        HiSparseConfig.parse(value)
+
+
+def test_config_defaults_follow_the_reference():
+    config = HiSparseConfig.parse('{"top_k": 2048}')
+    assert config.device_buffer_size == 4096 and config.eviction_policy == "lru"
+    with pytest.raises(ValueError, match="enable_hisparse"):
+        EngineConfig(hisparse_config={"top_k": 8})
