@@ -32,7 +32,8 @@ from hisparse.layers.attention import causal_attention, decode_attention
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.indexer_cache import IndexerKeyCache
-from hisparse.memory.paged_kv_cache import KVLayout, split_kv
+from hisparse.memory.paged_kv_cache import KVLayout
+from hisparse.memory.rows import gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
 
 
@@ -231,7 +232,7 @@ class HiSparseAttention:
         cache.index_cache.write(layer, self.index_write, index_k)
         out = torch.empty_like(q)
         for span in self.prefill:
-            rows = host[torch.from_numpy(span.request.kv.host_rows[:span.end])].to(q.device)
+            rows = gather_rows(host, torch.from_numpy(span.request.kv.host_rows[:span.end])).to(q.device)
             ks, vs = split_kv(rows, layout.num_kv_heads, layout.head_dim)
             sl = slice(span.offset, span.offset + span.length)
             out[sl] = causal_attention(q[sl], ks, vs, cache.scale)
@@ -271,5 +272,5 @@ class HiSparseAttention:
             reserved = self.device_write[self.swapping].unsqueeze(1).expand_as(top_k)
             page[self.swapping] = torch.where(is_newest, reserved, result.page_table)
         layout = cache.layout
-        ks, vs = split_kv(device_kv[page.clamp(min=0)], layout.num_kv_heads, layout.head_dim)
+        ks, vs = split_kv(gather_rows(device_kv, page.clamp(min=0)), layout.num_kv_heads, layout.head_dim)
         return decode_attention(q, ks, vs, page >= 0, cache.scale)
