@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server: CLI flags (args), wire format (protocol), the engine thread (engine_loop),
+the HTTP app (api_server) and Prometheus metrics (metrics)."""

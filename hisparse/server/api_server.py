@@ -1,0 +1,381 @@
+"""The OpenAI-compatible HTTP API over one EngineLoop.
+
+Handlers run on the asyncio loop and never touch the engine: they validate, tokenize, hand the request to
+the engine thread and relay its deltas. Every refusal is an OpenAI-style error body
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status, so a client bug never reaches the
+engine and never costs another request anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.server.engine_loop import Accepted, Delta, EngineLoop, EngineUnavailable, Failed, RequestStream
+from hisparse.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    now,
+)
+
+DEFAULT_CHAT_MAX_TOKENS = 128  # SGLang's default when a chat request gives no limit
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's names for union members
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _param_of_loc(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part.lower() not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON{': ' + detail if detail else ''}",
+                        code="invalid_json")
+    # A union (prompt: str | list[int]) fails once per member; the deepest error is the informative one.
+    error = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = _param_of_loc(tuple(error.get("loc", ())))
+    if error.get("type") == "missing":
+        return APIError(400, f"missing required field {param!r}" if param else "missing request body", param,
+                        code="missing_field")
+    got = error.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+    code = "invalid_type" if str(error.get("type", "")).endswith("_type") else "invalid_value"
+    return APIError(400, f"{param or 'request body'}: {error.get('msg', 'invalid value')} (got {shown})", param,
+                    code=code)
+
+
+def _param_of_message(message: str, default: str | None = None) -> str | None:
+    """SamplingParams and the engine start their messages with the field at fault."""
+    word = message.split(" ", 1)[0].strip(",:")
+    return word if word in _SAMPLING_FIELDS else default
+
+
+class _AbortOnCloseResponse(StreamingResponse):
+    """A stream that ends for any reason other than its last token (client gone, server stopping) aborts
+    the request so that its memory is freed at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: int = 256,
+               disconnect_poll_seconds: float = 0.25) -> FastAPI:
+    """The engine thread is started with the app and stopped with it."""
+    engine = engine_loop.engine
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    metrics = engine_loop.metrics
+    started = now()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine_loop.alive:
+            engine_loop.start()
+        yield
+        await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="hisparse", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+
+    # -- errors ---------------------------------------------------------------------------------------
+
+    def reject(error: APIError) -> JSONResponse:
+        metrics.rejected.labels(str(error.status)).inc()
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return reject(_validation_error(exc))
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return reject(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return reject(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return reject(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    # -- shared steps ---------------------------------------------------------------------------------
+
+    def check_common(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           "model", "model_not_found")
+        if body.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
+        if body.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", "logprobs")
+
+    def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                        max_tokens_param: str) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p,
+                                  top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=body.stop,
+                                  stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+        except ValueError as error:
+            param = _param_of_message(str(error))
+            message = str(error)
+            if param == "max_tokens" and max_tokens_param != "max_tokens":
+                param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
+            raise APIError(400, message, param) from None
+
+    async def next_event(stream: RequestStream, raw: Request) -> Accepted | Delta | Failed:
+        """The next event, watching for a client that hung up meanwhile (nothing else tells a handler)."""
+        while True:
+            try:
+                return await asyncio.wait_for(stream.get(), disconnect_poll_seconds)
+            except asyncio.TimeoutError:
+                if await raw.is_disconnected():
+                    engine_loop.abort(stream.request_id)
+                    raise _ClientGone() from None
+
+    async def start(request_id: str, prompt_ids: list[int], params: SamplingParams, raw: Request,
+                    prompt_param: str, max_tokens_param: str) -> tuple[RequestStream, int]:
+        """Queue the request in the engine and wait until it is accepted or refused."""
+        arrival = time.perf_counter()
+        queued = engine_loop.num_queued()
+        if queued >= max_queued_requests:
+            raise APIError(429, f"the server is at capacity: {queued} requests already wait for a running "
+                                f"slot (--max-queued-requests {max_queued_requests}); retry later",
+                           code="queue_full")
+        try:
+            stream = engine_loop.submit(request_id, prompt_ids, params, arrival)
+        except EngineUnavailable as error:
+            raise APIError(503, str(error), code="engine_unavailable") from None
+        event = await next_event(stream, raw)
+        if isinstance(event, Failed):
+            param, code = None, None
+            if event.status == 400:
+                # The engine's refusals name the prompt first; blame max_tokens when the prompt alone fits.
+                if "max_tokens" in event.message and len(prompt_ids) < max_model_len:
+                    param = max_tokens_param
+                elif event.message.startswith("prompt"):
+                    param = prompt_param
+                code = "context_length_exceeded" if "exceeds" in event.message else None
+            raise APIError(event.status, event.message, param, code)
+        assert isinstance(event, Accepted)
+        return stream, event.prompt_tokens
+
+    def on_close(stream: RequestStream) -> Callable[[], None]:
+        def close() -> None:
+            if not stream.finished:
+                engine_loop.abort(stream.request_id)
+        return close
+
+    async def collect(stream: RequestStream, raw: Request) -> tuple[str, int, str]:
+        parts: list[str] = []
+        try:
+            while True:
+                event = await next_event(stream, raw)
+                if isinstance(event, Failed):
+                    raise APIError(event.status, event.message)
+                assert isinstance(event, Delta)
+                parts.append(event.text)
+                if event.finish_reason is not None:
+                    return "".join(parts), event.completion_tokens, event.finish_reason
+        finally:
+            on_close(stream)()  # a handler that ends early for any reason frees the request's memory
+
+    # -- routes ---------------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            return APIError(503, "the engine thread is not running", code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=started, max_model_len=max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        check_common(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens, "max_tokens")
+        request_id, created = new_id("cmpl"), now()
+        try:
+            stream, prompt_tokens = await start(request_id, prompt_ids, params, raw, "prompt", "max_tokens")
+        except _ClientGone:
+            return Response(status_code=499)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text: str, finish_reason: str | None) -> str:
+            payload = CompletionResponse(id=request_id, created=created, model=model_name,
+                                         choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+            return _sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                while True:
+                    event = await stream.get()
+                    if isinstance(event, Failed):
+                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
+                        break
+                    assert isinstance(event, Delta)
+                    if event.text or event.finish_reason is not None:
+                        yield chunk(event.text, event.finish_reason)
+                    if event.finish_reason is not None:
+                        if include_usage:
+                            usage = CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                       usage=Usage.of(prompt_tokens, event.completion_tokens))
+                            yield _sse(usage.model_dump_json())
+                        break
+                yield _sse("[DONE]")
+
+            return _AbortOnCloseResponse(events(), on_close(stream))
+        try:
+            text, completion_tokens, finish_reason = await collect(stream, raw)
+        except _ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(CompletionResponse(
+            id=request_id, created=created, model=model_name,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            usage=Usage.of(prompt_tokens, completion_tokens)).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        check_common(body)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt_ids = tokenizer.encode_chat(messages)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from None
+        if body.max_completion_tokens is not None:
+            max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens = DEFAULT_CHAT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+            max_tokens_param = "max_tokens"
+        params = sampling_params(body, max_tokens, max_tokens_param)
+        request_id, created = new_id("chatcmpl"), now()
+        try:
+            stream, prompt_tokens = await start(request_id, prompt_ids, params, raw, "messages", max_tokens_param)
+        except _ClientGone:
+            return Response(status_code=499)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: ChatDelta, finish_reason: str | None) -> str:
+            payload = ChatCompletionChunk(id=request_id, created=created, model=model_name,
+                                          choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+            return _sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                yield chunk(ChatDelta(role="assistant", content=""), None)
+                while True:
+                    event = await stream.get()
+                    if isinstance(event, Failed):
+                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
+                        break
+                    assert isinstance(event, Delta)
+                    if event.text:
+                        yield chunk(ChatDelta(content=event.text), None)
+                    if event.finish_reason is not None:
+                        yield chunk(ChatDelta(), event.finish_reason)
+                        if include_usage:
+                            usage = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
+                                                        usage=Usage.of(prompt_tokens, event.completion_tokens))
+                            yield _sse(usage.model_dump_json())
+                        break
+                yield _sse("[DONE]")
+
+            return _AbortOnCloseResponse(events(), on_close(stream))
+        try:
+            text, completion_tokens, finish_reason = await collect(stream, raw)
+        except _ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, created=created, model=model_name,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
+            usage=Usage.of(prompt_tokens, completion_tokens)).model_dump())
+
+    return app

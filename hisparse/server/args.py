@@ -1,0 +1,170 @@
+"""Command-line flags of `python -m hisparse.launch_server` / `hisparse serve`, named as SGLang names them.
+
+Everything a flag can get wrong is checked here, before the model loads, so a typo costs a second and one
+line on stderr rather than a traceback after half a minute of loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import sys
+from dataclasses import dataclass
+
+from hisparse.engine.engine_config import EngineConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+_UNITS = {"": 1, "b": 1,
+          "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+          "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+          "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1073741824' -> bytes. Bare K/M/G/T are binary, as in `free -h`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use bytes or e.g. 512MiB, 2GiB, 1.5GB)")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return size
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    enable_hisparse: bool = False
+    hisparse_config: str | None = None
+    max_running_requests: int = 64
+    max_queued_requests: int = 256
+    chunked_prefill_size: int = 512
+    device_kv_budget: int | None = None
+    top_k: int = 256
+    disable_sparse_attention: bool = False
+    swap_in_backend: str = "auto"
+    kv_cache_dtype: str = "float32"
+    device: str = "cpu"
+    log_level: str = "info"
+
+    def engine_config(self) -> EngineConfig:
+        """Raises ValueError naming the field, like EngineConfig itself."""
+        return EngineConfig(model=self.model_path, device_kv_budget=self.device_kv_budget,
+                            max_running_requests=self.max_running_requests,
+                            chunked_prefill_size=self.chunked_prefill_size, kv_cache_dtype=self.kv_cache_dtype,
+                            device=self.device, sparse_attention=not self.disable_sparse_attention, top_k=self.top_k,
+                            enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
+                            swap_in_backend=self.swap_in_backend)
+
+    def model_name(self) -> str:
+        """What clients put in `model`: the flag, else the model file's or folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path in (None, "", "default"):
+            from hisparse.models.default_model import DEFAULT_MODEL_NAME
+
+            return DEFAULT_MODEL_NAME
+        from pathlib import Path
+
+        path = Path(self.model_path)
+        return path.stem if path.is_file() else path.name
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before its error; a server operator wants just the error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.ArgumentParser:
+    d = ServerArgs()
+    ap = _OneLineParser(prog=prog, description="OpenAI-compatible HTTP server for hisparse.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model-path", "--model", dest="model_path", default=d.model_path,
+                    help="GGUF file or Hugging Face Llama folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--host", default=d.host, help="address to listen on")
+    ap.add_argument("--port", type=_port, default=d.port)
+    ap.add_argument("--served-model-name", default=d.served_model_name,
+                    help="the `model` clients must send (default: the model's name)")
+    ap.add_argument("--enable-hisparse", action="store_true",
+                    help="full KV in a host pool, a small hot buffer per request on the device")
+    ap.add_argument("--hisparse-config", default=d.hisparse_config,
+                    help='JSON, e.g. \'{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 8, '
+                         '"eviction_policy": "lru"}\'')
+    ap.add_argument("--max-running-requests", type=_positive_int, default=d.max_running_requests)
+    ap.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
+                    help="requests allowed to wait for a running slot; more get HTTP 429 at once")
+    ap.add_argument("--chunked-prefill-size", type=_positive_int, default=d.chunked_prefill_size,
+                    help="tokens per step (decodes first, then prompt chunks)")
+    ap.add_argument("--device-kv-budget", type=_size, default=d.device_kv_budget,
+                    help="device memory for the KV cache: bytes or e.g. 512MiB, 2GiB (default: 1 GiB on the "
+                         "CPU, 85%% of free GPU memory less the weights on a GPU)")
+    ap.add_argument("--top-k", type=_positive_int, default=d.top_k, help="tokens each sparse decode step attends to")
+    ap.add_argument("--disable-sparse-attention", action="store_true",
+                    help="decode densely even when the model has an indexer")
+    ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default=d.kv_cache_dtype)
+    ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m hisparse.launch_server") -> ServerArgs:
+    """Flags -> ServerArgs, or one line on stderr and exit status 2."""
+    ns = build_parser(prog).parse_args(argv)
+    return ServerArgs(**vars(ns))
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before loading the model, not after, when the address is taken or not ours."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ValueError(f"cannot resolve --host {host!r}: {error.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as error:
+            raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,306 @@
+"""The engine thread: the only code that touches the engine while the server runs.
+
+The engine is not thread-safe, and a decode step takes long enough (tens to hundreds of milliseconds) that
+running it on the asyncio loop would stall every HTTP connection. So HTTP handlers never call the engine:
+they put commands (add, abort) on a thread-safe queue, and this thread drains the queue between steps, runs
+one step, and posts each request's new text back to that request's asyncio queue with
+`loop.call_soon_threadsafe`. With nothing to do it blocks on the command queue, so an idle server costs no
+CPU.
+
+A failure is confined to the requests it concerns: a request the engine refuses (ValueError) gets a 400, an
+unexpected error while adding one gets a 500, and a step that raises fails the requests that were in that
+step (the engine cannot say which one caused it) and frees their memory; the loop itself keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.request import Request, RequestStatus
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.server.metrics import ServerMetrics
+
+log = logging.getLogger("hisparse.server")
+
+
+# -- events: engine thread -> one request's asyncio queue ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The engine took the request (sent before any text, so a refusal can still become an HTTP 400)."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # new text since the last Delta
+    completion_tokens: int  # tokens generated so far
+    finish_reason: str | None  # set on the last Delta: stop, length or abort
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int  # the HTTP status the handler should answer with
+    message: str
+
+
+Event = Accepted | Delta | Failed
+
+
+class RequestStream:
+    """One request's mailbox on the asyncio side; the engine thread only ever calls `put`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def get(self) -> Event:
+        event = await self._queue.get()
+        if isinstance(event, Failed) or (isinstance(event, Delta) and event.finish_reason is not None):
+            self.finished = True
+        return event
+
+
+# -- commands: asyncio side -> engine thread --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+    arrival: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Tracked:
+    """What the thread remembers about a request between steps to cut its output into deltas."""
+
+    request: Request
+    stream: RequestStream
+    arrival: float
+    hold_back: int  # characters kept unsent while a stop string could still begin in them
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    last_token_time: float = 0.0
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._in_flight = 0  # submitted and not yet ended; both threads, under _lock
+        self._lock = threading.Lock()
+        self._stats: dict = engine.stats_dict()  # replaced whole by the engine thread, read by anyone
+        self._thread = threading.Thread(target=self._run, name="hisparse-engine", daemon=True)
+        self.metrics.bind(self.stats, self.num_queued)
+
+    # -- any thread -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """The engine's stats_dict() as of the end of its latest step."""
+        return self._stats
+
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def num_queued(self) -> int:
+        """Requests the server holds that are not in the running batch yet."""
+        return max(0, self._in_flight - self._stats.get("running", 0))
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    # -- the asyncio side -----------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               arrival: float | None = None) -> RequestStream:
+        """Call from the event loop; events for the request arrive on the returned stream."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            self._in_flight += 1
+        self._commands.put(_Add(request_id, prompt, params, stream,
+                                time.perf_counter() if arrival is None else arrival))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Harmless for a request that already ended; commands run in order, so never overtakes its add."""
+        self._commands.put(_Abort(request_id))
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stalled = False
+        while True:
+            idle = not self.engine.has_unfinished
+            # Idle: sleep until a command comes. Stalled (work waiting, nothing could run): poll gently.
+            commands = self._take_commands(block=idle or stalled, timeout=None if idle else 0.01)
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._shutdown()
+                    return
+                try:
+                    if isinstance(command, _Add):
+                        self._add(command)
+                    else:
+                        self._abort(command.request_id)
+                except Exception:  # a bug here must not end the thread
+                    log.exception("engine thread: handling %s failed", type(command).__name__)
+            stalled = False
+            if self.engine.has_unfinished:
+                stalled = not self._step()
+            try:
+                self._stats = self.engine.stats_dict()
+            except Exception:
+                log.exception("engine thread: stats_dict failed")
+            stalled = stalled and self._stats.get("running", 0) == 0
+
+    def _take_commands(self, block: bool, timeout: float | None) -> list[_Add | _Abort | _Stop]:
+        try:
+            commands = [self._commands.get(timeout=timeout) if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: _Add) -> None:
+        try:
+            request = self.engine.add_request(command.prompt, command.params, command.request_id)
+        except ValueError as error:
+            self._refuse(command.stream, 400, str(error))
+            return
+        except Exception as error:
+            log.exception("engine thread: add_request failed")
+            self._refuse(command.stream, 500, f"internal error: {type(error).__name__}: {error}")
+            return
+        stops = request.params.stop
+        self._tracked[request.request_id] = _Tracked(request, command.stream, command.arrival,
+                                                     max((len(s) for s in stops), default=1) - 1)
+        command.stream.put(Accepted(request.num_prompt_tokens))
+
+    def _refuse(self, stream: RequestStream, status: int, message: str) -> None:
+        stream.put(Failed(status, message))
+        if status >= 500:  # a 4xx is counted once, by the HTTP layer, as a rejected request
+            self.metrics.requests.labels("error").inc()
+        self._ended()
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.engine.abort(request_id)
+        tracked.stream.put(Delta("", tracked.sent_tokens, "abort"))
+        self.metrics.requests.labels("abort").inc()
+        self._ended()
+
+    def _step(self) -> bool:
+        """One engine step; False when it produced no token."""
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            log.exception("engine thread: step failed; failing the requests in it")
+            self._fail_running(error)
+            return True
+        now = time.perf_counter()
+        for request in outputs:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                self._deliver(tracked, now)
+        return bool(outputs)
+
+    def _deliver(self, t: _Tracked, now: float) -> None:
+        request = t.request
+        tokens = len(request.output_token_ids)
+        if tokens > t.sent_tokens:
+            if t.sent_tokens == 0:
+                self.metrics.time_to_first_token.observe(now - t.arrival)
+            else:
+                for _ in range(tokens - t.sent_tokens):
+                    self.metrics.inter_token_latency.observe((now - t.last_token_time) / (tokens - t.sent_tokens))
+            t.last_token_time = now
+        text = request.output_text
+        # A stop string is cut from output_text only once complete, so its first characters may already be
+        # in the text; hold them back until it can no longer match (a match always lies past what was sent).
+        end = len(text) if request.finished else len(text) - t.hold_back
+        delta = text[t.sent_chars:end] if end > t.sent_chars else ""
+        t.sent_chars += len(delta)
+        t.sent_tokens = tokens
+        t.stream.put(Delta(delta, tokens, request.finish_reason if request.finished else None))
+        if request.finished:
+            del self._tracked[request.request_id]
+            self.metrics.e2e_latency.observe(now - t.arrival)
+            self.metrics.requests.labels(request.finish_reason or "stop").inc()
+            self._ended()
+
+    def _fail_running(self, error: Exception) -> None:
+        for request_id, t in list(self._tracked.items()):
+            if t.request.status is not RequestStatus.RUNNING:
+                continue  # still waiting: it was not in the step that failed
+            del self._tracked[request_id]
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("engine thread: abort after a failed step failed")
+            self._refuse(t.stream, 500, f"internal error while generating: {type(error).__name__}: {error}")
+
+    def _shutdown(self) -> None:
+        pending = [c for c in self._take_commands(block=False, timeout=None) if isinstance(c, _Add)]
+        for command in pending:
+            self._refuse(command.stream, 503, "the server is shutting down")
+        for request_id, t in list(self._tracked.items()):
+            del self._tracked[request_id]
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("engine thread: abort at shutdown failed")
+            self._refuse(t.stream, 503, "the server is shutting down")
