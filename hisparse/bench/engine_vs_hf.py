@@ -20,6 +20,7 @@ from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.models.default_model import default_model_path
+from hisparse.models.loader import load_llama
 
 TEXT = ("The history of computing is a story of machines that learned to remember. Early devices kept a few "
         "numbers in relays; later ones stored programs beside their data, and the memory hierarchy was born.")
@@ -56,7 +57,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes)))
+    # The dense model on both sides: this compares engines, not attention kinds.
+    engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes), sparse_attention=False),
+                       model=load_llama(path, indexer=False))
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     base = engine.tokenizer.encode(TEXT)
     print(f"{'batch':>5} {'hisparse tok/s':>15} {'transformers tok/s':>19} {'ratio':>7} {'outside forward':>16}")
