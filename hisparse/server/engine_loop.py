@@ -283,10 +283,11 @@ class EngineLoop:
             self._ended()
 
     def _fail_running(self, error: Exception) -> None:
-        for request_id, t in list(self._tracked.items()):
-            if t.request.status is not RequestStatus.RUNNING:
-                continue  # still waiting: it was not in the step that failed
-            del self._tracked[request_id]
+        """Fail the requests that were in the step. When none was running the failure came from admitting
+        the waiting ones, and they fail instead: either way the next step cannot fail the same way forever."""
+        in_step = [r for r, t in self._tracked.items() if t.request.status is not RequestStatus.WAITING]
+        for request_id in in_step or list(self._tracked):
+            t = self._tracked.pop(request_id)
             try:
                 self.engine.abort(request_id)
             except Exception:
