@@ -14,7 +14,10 @@ PROG = "python -m hisparse.launch_server"
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from hisparse.server.args import check_port_free, fail, parse_args
 
-    args = parse_args(argv, prog)
+    try:
+        args = parse_args(argv, prog)
+    except SystemExit as done:  # --help, or a flag argparse refused (it has printed the one line)
+        return int(done.code or 0)
     try:
         config = args.engine_config()
         from hisparse.models.loader import resolve_model_path

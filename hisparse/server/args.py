@@ -165,6 +165,15 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
+# EngineConfig's fields -> the flags that set them, to point a refusal at what the user typed.
+_FLAGS = {"model": "--model-path", "device_kv_budget": "--device-kv-budget", "top_k": "--top-k",
+          "max_running_requests": "--max-running-requests", "chunked_prefill_size": "--chunked-prefill-size",
+          "kv_cache_dtype": "--kv-cache-dtype", "device": "--device", "enable_hisparse": "--enable-hisparse",
+          "hisparse_config": "--hisparse-config", "swap_in_backend": "--swap-in-backend"}
+
+
 def fail(prog: str, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    field = re.match(r"[a-z_]+", message)
+    flag = _FLAGS.get(field.group(0)) if field else None
+    print(f"{prog}: error: {flag + ': ' if flag else ''}{message}", file=sys.stderr)
     return 2
