@@ -44,8 +44,6 @@ from hisparse.server.protocol import (
 )
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # SGLang's default when a chat request gives no limit
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's names for union members
 
@@ -59,8 +57,9 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "error"),
-                                             param=self.param, code=self.code))
+        kind = ("rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500
+                else "server_error")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
