@@ -127,8 +127,7 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: int = 256,
-               disconnect_poll_seconds: float = 0.25) -> FastAPI:
+def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: int = 256) -> FastAPI:
     """The engine thread is started with the app and stopped with it."""
     engine = engine_loop.engine
     tokenizer = engine.tokenizer
@@ -194,15 +193,26 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
             raise APIError(400, message, param) from None
 
-    async def next_event(stream: RequestStream, raw: Request) -> Accepted | Delta | Failed:
-        """The next event, watching for a client that hung up meanwhile (nothing else tells a handler)."""
-        while True:
-            try:
-                return await asyncio.wait_for(stream.get(), disconnect_poll_seconds)
-            except asyncio.TimeoutError:
-                if await raw.is_disconnected():
-                    engine_loop.abort(stream.request_id)
-                    raise _ClientGone() from None
+    @asynccontextmanager
+    async def abort_on_disconnect(stream: RequestStream, raw: Request):
+        """Nothing tells a handler that its client hung up, so listen for it: the body has been read, so the
+        next ASGI message is the disconnect. The engine then ends the request with finish_reason "abort"."""
+        async def listen() -> None:
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+            engine_loop.abort(stream.request_id)
+
+        listener = asyncio.create_task(listen())
+        try:
+            yield
+        finally:
+            listener.cancel()
+
+    async def next_event(stream: RequestStream) -> Accepted | Delta | Failed:
+        event = await stream.get()
+        if isinstance(event, Delta) and event.finish_reason == "abort":
+            raise _ClientGone()
+        return event
 
     async def start(request_id: str, prompt_ids: list[int], params: SamplingParams, raw: Request,
                     prompt_param: str, max_tokens_param: str) -> tuple[RequestStream, int]:
@@ -217,7 +227,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             stream = engine_loop.submit(request_id, prompt_ids, params, arrival)
         except EngineUnavailable as error:
             raise APIError(503, str(error), code="engine_unavailable") from None
-        event = await next_event(stream, raw)
+        async with abort_on_disconnect(stream, raw):
+            event = await next_event(stream)
         if isinstance(event, Failed):
             param, code = None, None
             if event.status == 400:
@@ -240,14 +251,15 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
     async def collect(stream: RequestStream, raw: Request) -> tuple[str, int, str]:
         parts: list[str] = []
         try:
-            while True:
-                event = await next_event(stream, raw)
-                if isinstance(event, Failed):
-                    raise APIError(event.status, event.message)
-                assert isinstance(event, Delta)
-                parts.append(event.text)
-                if event.finish_reason is not None:
-                    return "".join(parts), event.completion_tokens, event.finish_reason
+            async with abort_on_disconnect(stream, raw):
+                while True:
+                    event = await next_event(stream)
+                    if isinstance(event, Failed):
+                        raise APIError(event.status, event.message)
+                    assert isinstance(event, Delta)
+                    parts.append(event.text)
+                    if event.finish_reason is not None:
+                        return "".join(parts), event.completion_tokens, event.finish_reason
         finally:
             on_close(stream)()  # a handler that ends early for any reason frees the request's memory
 
