@@ -31,7 +31,13 @@ import torch
 from tqdm import tqdm
 
 from hisparse.layers.attention import SingleSequenceCache
-from hisparse.layers.indexer import IndexerConfig, LlamaIndexer, attach_indexers, save_indexer_weights
+from hisparse.layers.indexer import (
+    IndexerConfig,
+    LlamaIndexer,
+    attach_indexers,
+    load_indexer_weights,
+    save_indexer_weights,
+)
 from hisparse.layers.rotary import apply_rope_half
 
 
@@ -174,6 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=256, help="the top_k stored in the weights and used for recall")
     p.add_argument("--layers", type=str, default=None, help="train only these layers, e.g. '0,5,29' (pilots)")
     p.add_argument("--max-chunks", type=int, default=None, help="use only the first N training chunks (pilots)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from these indexer weights (e.g. to train some --layers further)")
     p.add_argument("--capture-only", action="store_true", help="stop after capturing the layer inputs")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after N epochs (checkpointed; continue with --resume)")
@@ -214,6 +222,9 @@ def main(argv=None) -> list[dict]:
     config = IndexerConfig(args.heads, args.head_dim, args.rope_dim, args.top_k)
     torch.manual_seed(args.seed)
     indexers = attach_indexers(model, config)
+    if args.init is not None:
+        config = load_indexer_weights(model, args.init)
+        indexers = [layer.attn.indexer.requires_grad_(True).train() for layer in model.layers]
     layers = list(range(len(indexers))) if args.layers is None else [int(v) for v in args.layers.split(",")]
     params = [p for i in layers for p in indexers[i].parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)

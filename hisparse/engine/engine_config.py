@@ -17,6 +17,12 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     kv_cache_dtype: str = "float32"
     device: str = "cpu"
+    # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
+    sparse_attention: bool = True  # decode attends to the indexer's top_k positions; False = dense decode
+    top_k: int = 256
+    dense_layers: tuple[int, ...] | None = None  # layers that decode densely; None = the indexer's own choice
+    record_topk: bool = False  # record every request's selected positions per layer per decode step
+    topk_trace_dir: str | None = None  # where finished requests' traces are written (<request_id>.npz)
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -26,6 +32,14 @@ class EngineConfig:
 
         positive_int("max_running_requests")
         positive_int("chunked_prefill_size")
+        positive_int("top_k")
+        for name in ("sparse_attention", "record_topk"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dense_layers is not None:
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.dense_layers):
+                raise ValueError(f"dense_layers must be layer numbers >= 0, got {self.dense_layers!r}")
+            self.dense_layers = tuple(self.dense_layers)
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
         if self.kv_cache_dtype not in ("float32", "bfloat16"):

@@ -13,7 +13,7 @@ from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache
+from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 from hisparse.models.loader import load_llama, resolve_model_path
 from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -39,22 +39,36 @@ class LLMEngine:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.torch_kv_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = self.config.resolved_kv_budget(weight_bytes)
-        self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device)
+        self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device,
+                                              self._sparse_decode())
         self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
+    def _sparse_decode(self) -> SparseDecode | None:
+        """Sparse decode settings when the model has lightning indexers (else None: a dense model)."""
+        indexer = getattr(self.model, "indexer_config", None)
+        if indexer is None:
+            return None
+        dense = indexer.dense_layers if self.config.dense_layers is None else self.config.dense_layers
+        bad = [layer for layer in dense if layer >= self.model.config.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers {bad} out of range: the model has {self.model.config.num_layers} layers")
+        return SparseDecode(indexer.head_dim, self.config.sparse_attention, self.config.top_k, tuple(dense))
+
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, record_topk: bool | None = None) -> Request:
+        """record_topk: record this request's top-k selections (None = EngineConfig.record_topk)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
+        request.record_topk = self.config.record_topk if record_topk is None else record_topk
         if request.max_total_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context length of {self.max_model_len} tokens")
@@ -137,3 +151,7 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
+        if request.record_topk and self.config.topk_trace_dir is not None:
+            from hisparse.engine.topk_trace import save_request_trace
+
+            save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)

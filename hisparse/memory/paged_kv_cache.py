@@ -2,6 +2,11 @@
 
 This is what HiSparse is measured against under the same device budget. One pool row holds one token's
 K and V of one layer, side by side, so a token moves between pools as a single row copy.
+
+With a sparse-attention model the cache also holds every token's lightning-indexer key
+(`IndexerKeyCache`) and decode attends only to the `top_k` positions the indexer selects (the whole K/V
+still sits on the device here: this is sparse attention without the memory hierarchy). Prefill stays
+dense and causal but writes the index key of every prompt token.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch.nn.functional as F
 from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
 from hisparse.layers.attention import causal_attention, decode_attention
+from hisparse.memory.indexer_cache import IndexerKeyCache
+from hisparse.memory.rows import gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
 
 
@@ -37,18 +44,39 @@ class KVLayout:
 @dataclass
 class PagedAllocation:
     slots: torch.Tensor  # int64 [max_total_tokens]: pool row of each position
+    index_slots: torch.Tensor | None = None  # int64 [max_total_tokens]: indexer-key slot of each position
+
+
+@dataclass
+class SparseDecode:
+    """How decode uses the indexer: top_k positions per step, except in `dense_layers` or when off."""
+
+    index_dim: int
+    enabled: bool = True
+    top_k: int = 256
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse_in(self, layer: int) -> bool:
+        return self.enabled and layer not in self.dense_layers
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_slots: int, scale: float, device: str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_slots: int, scale: float, device: str = "cpu",
+                 sparse: SparseDecode | None = None) -> None:
         self.layout = layout
         self.scale = scale
         self.kv = torch.zeros(layout.num_layers, num_slots, layout.row_size, dtype=layout.dtype, device=device)
         self.allocator = SlotAllocator(num_slots)
+        self.sparse = sparse
+        self.index_cache = None if sparse is None else IndexerKeyCache(layout.num_layers, num_slots,
+                                                                       sparse.index_dim, device)
 
     @classmethod
-    def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu"):
-        return cls(layout, budget_bytes // layout.bytes_per_token, scale, device)
+    def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu",
+                    sparse: SparseDecode | None = None):
+        """As many token slots as the budget buys; with an indexer each token also costs its index keys."""
+        per_token = layout.bytes_per_token + (0 if sparse is None else layout.num_layers * (sparse.index_dim + 4))
+        return cls(layout, budget_bytes // per_token, scale, device, sparse)
 
     @property
     def capacity_tokens(self) -> int:
@@ -58,11 +86,15 @@ class PagedKVCache:
         return request.max_total_tokens <= self.allocator.num_free
 
     def admit(self, request: Request) -> None:
-        request.kv = PagedAllocation(torch.from_numpy(self.allocator.allocate(request.max_total_tokens)))
+        n = request.max_total_tokens
+        index_slots = None if self.index_cache is None else torch.from_numpy(self.index_cache.allocator.allocate(n))
+        request.kv = PagedAllocation(torch.from_numpy(self.allocator.allocate(n)), index_slots)
 
     def release(self, request: Request) -> None:
         if request.kv is not None:
             self.allocator.free(request.kv.slots.numpy())
+            if request.kv.index_slots is not None:
+                self.index_cache.allocator.free(request.kv.index_slots.numpy())
             request.kv = None
 
     def bind(self, batch: ForwardBatch) -> PagedAttention:
@@ -70,12 +102,6 @@ class PagedKVCache:
 
     def usage(self) -> dict[str, int]:
         return {"device_slots_total": self.allocator.num_slots, "device_slots_used": self.allocator.num_used}
-
-
-def split_kv(rows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., 2 * Hkv * D] pool rows -> K, V of shape [..., Hkv, D] each (float32 for the math)."""
-    k, v = rows.float().unflatten(-1, (2, num_kv_heads, head_dim)).unbind(-3)
-    return k, v
 
 
 class PagedAttention:
@@ -87,26 +113,55 @@ class PagedAttention:
         self.write_rows = torch.cat([s.request.kv.slots[s.start:s.end] for s in batch.spans])
         self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
+        if cache.index_cache is not None:
+            self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
         if self.decode:
-            lengths = torch.tensor([s.end for s in self.decode])
-            width = int(lengths.max())
+            self.decode_lengths = torch.tensor([s.end for s in self.decode])
+            width = int(self.decode_lengths.max())
             self.decode_rows = torch.stack([
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end)) for s in self.decode])
-            self.decode_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+            self.decode_mask = torch.arange(width).unsqueeze(0) < self.decode_lengths.unsqueeze(1)
             self.decode_offsets = torch.tensor([s.offset for s in self.decode])
+            if cache.index_cache is not None:
+                self.decode_index_slots = torch.stack([
+                    F.pad(s.request.kv.index_slots[:s.end], (0, width - s.end)) for s in self.decode])
+            # Requests that record their top-k get one entry per decode step: the context length and,
+            # filled layer by layer, the positions selected (hisparse.engine.topk_trace reads these).
+            self.trace_steps = {}
+            for b, span in enumerate(self.decode):
+                if span.request.record_topk and cache.index_cache is not None:
+                    step = {"seq_len": span.end, "layers": [None] * cache.layout.num_layers}
+                    if span.request.topk_trace is None:
+                        span.request.topk_trace = []
+                    span.request.topk_trace.append(step)
+                    self.trace_steps[b] = step
 
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
-        layout = self.cache.layout
-        pool = self.cache.kv[layer]
+        cache = self.cache
+        layout = cache.layout
+        pool = cache.kv[layer]
         pool.index_copy_(0, self.write_rows, torch.cat([k.flatten(1), v.flatten(1)], 1).to(pool.dtype))
+        has_index = cache.index_cache is not None and index_k is not None
+        if has_index:
+            cache.index_cache.write(layer, self.index_write, index_k)
         out = torch.empty_like(q)
         for span in self.prefill:
-            rows = pool[span.request.kv.slots[:span.end]]
+            rows = gather_rows(pool, span.request.kv.slots[:span.end])
             ks, vs = split_kv(rows, layout.num_kv_heads, layout.head_dim)
             sl = slice(span.offset, span.offset + span.length)
-            out[sl] = causal_attention(q[sl], ks, vs, self.cache.scale)
+            out[sl] = causal_attention(q[sl], ks, vs, cache.scale)
         if self.decode:
-            ks, vs = split_kv(pool[self.decode_rows], layout.num_kv_heads, layout.head_dim)
-            out[self.decode_offsets] = decode_attention(q[self.decode_offsets], ks, vs, self.decode_mask,
-                                                        self.cache.scale)
+            rows, mask = self.decode_rows, self.decode_mask
+            sparse = has_index and cache.sparse.sparse_in(layer)
+            if sparse or (has_index and self.trace_steps):
+                selected = cache.index_cache.select(layer, index_q[self.decode_offsets],
+                                                    index_w[self.decode_offsets], self.decode_index_slots,
+                                                    self.decode_lengths, cache.sparse.top_k)
+                for b, step in self.trace_steps.items():
+                    step["layers"][layer] = selected[b].to(torch.int32).numpy()
+                if sparse:
+                    rows = rows.gather(1, selected.clamp(min=0))
+                    mask = selected >= 0
+            ks, vs = split_kv(gather_rows(pool, rows), layout.num_kv_heads, layout.head_dim)
+            out[self.decode_offsets] = decode_attention(q[self.decode_offsets], ks, vs, mask, cache.scale)
         return out

@@ -1,0 +1,154 @@
+"""Top-k traces: the positions the indexer selected, per layer and decode step, for replay.
+
+Like SGLang's `--enable-return-indexer-topk`, a request with `record_topk` keeps, for every decode step,
+the context length and each layer's selected positions. A trace file (`.npz`) holds, for one request:
+
+- `layer_{i}`: int32 [steps, top_k], the positions selected in layer i at each step, ascending, padded
+  with -1 (a step whose context is shorter than top_k selects every position, then pads);
+- `seq_lens`: int32 [steps], the context length at each step (the newest position is seq_len - 1);
+- `top_k`, `num_layers`, `prompt_len`, `dense_layers` (layers that attended densely; their rows hold
+  what the indexer would have picked), `sparse_attention` (whether decode was sparse at all).
+
+The memory-hierarchy and miss-rate benchmarks replay these with `load_topk_trace`. Record one with
+
+    python -m hisparse.engine.topk_trace record --length 4096 --max-tokens 64 --out trace.npz
+
+(held-out Python-documentation text by default, or `--prompt-file`), or from code with
+`LLM(record_topk=True, topk_trace_dir=...)` / `LLMEngine.add_request(..., record_topk=True)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class TopkTrace:
+    layers: list[np.ndarray]  # per layer int32 [steps, top_k], -1 padded
+    seq_lens: np.ndarray  # int32 [steps]
+    top_k: int
+    prompt_len: int = 0
+    dense_layers: tuple[int, ...] = ()
+    sparse_attention: bool = True
+    request_id: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.seq_lens)
+
+    def selected(self, layer: int, step: int) -> np.ndarray:
+        """The positions layer `layer` selected at decode step `step` (without padding)."""
+        row = self.layers[layer][step]
+        return row[row >= 0]
+
+
+def trace_from_request(request, sparse) -> TopkTrace:
+    """Assemble a finished request's recorded steps (PagedAttention fills `request.topk_trace`)."""
+    steps = request.topk_trace or []
+    num_layers = len(steps[0]["layers"]) if steps else 0
+    top_k = sparse.top_k
+    layers = []
+    for layer in range(num_layers):
+        arr = np.full((len(steps), top_k), -1, dtype=np.int32)
+        for i, step in enumerate(steps):
+            picked = step["layers"][layer]
+            arr[i, :len(picked)] = picked
+        layers.append(arr)
+    return TopkTrace(layers, np.array([s["seq_len"] for s in steps], dtype=np.int32), top_k,
+                     request.num_prompt_tokens, tuple(sparse.dense_layers), bool(sparse.enabled), request.request_id)
+
+
+def save_topk_trace(path: str | Path, trace: TopkTrace) -> None:
+    arrays = {f"layer_{i}": a for i, a in enumerate(trace.layers)}
+    np.savez_compressed(path, seq_lens=trace.seq_lens, top_k=np.int32(trace.top_k),
+                        num_layers=np.int32(trace.num_layers), prompt_len=np.int32(trace.prompt_len),
+                        dense_layers=np.array(trace.dense_layers, dtype=np.int32),
+                        sparse_attention=np.bool_(trace.sparse_attention), request_id=np.str_(trace.request_id),
+                        **arrays)
+
+
+def load_topk_trace(path: str | Path) -> TopkTrace:
+    with np.load(path) as f:
+        n = int(f["num_layers"])
+        return TopkTrace([f[f"layer_{i}"] for i in range(n)], f["seq_lens"], int(f["top_k"]), int(f["prompt_len"]),
+                         tuple(int(v) for v in f["dense_layers"]), bool(f["sparse_attention"]),
+                         str(f["request_id"]))
+
+
+def save_request_trace(folder: str | Path, request, sparse) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{request.request_id}.npz"
+    save_topk_trace(path, trace_from_request(request, sparse))
+    return path
+
+
+def record(prompt_ids: list[int], max_tokens: int, out: str | Path, **engine_args) -> TopkTrace:
+    """Greedy-decode `max_tokens` tokens after `prompt_ids` with the real engine, recording the top-k."""
+    from hisparse.engine.engine_config import EngineConfig
+    from hisparse.engine.llm_engine import LLMEngine
+    from hisparse.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(**engine_args))
+    if engine.cache.sparse is None:
+        raise ValueError("the model has no lightning indexer: there is no top-k to record")
+    request = engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                            ignore_eos=True), record_topk=True)
+    while not request.finished:
+        engine.step()
+    trace = trace_from_request(request, engine.cache.sparse)
+    save_topk_trace(out, trace)
+    return trace
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hisparse.engine.topk_trace",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="decode with the real model and record the selected positions")
+    rec.add_argument("--prompt-file", type=Path, help="prompt text (default: held-out Python documentation)")
+    rec.add_argument("--length", type=int, default=4096, help="prompt tokens (the text is cut or repeated)")
+    rec.add_argument("--max-tokens", type=int, default=64, help="decode steps to record")
+    rec.add_argument("--top-k", type=int, default=256)
+    rec.add_argument("--dense", action="store_true", help="decode densely (record what the indexer would pick)")
+    rec.add_argument("--out", type=Path, required=True)
+    show = sub.add_parser("show", help="summarise a trace file")
+    show.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.command == "show":
+        trace = load_topk_trace(args.path)
+        print(f"{args.path}: {trace.num_layers} layers, {trace.num_steps} steps, top_k {trace.top_k}, "
+              f"prompt {trace.prompt_len}, seq_len {trace.seq_lens.min()}..{trace.seq_lens.max()}, "
+              f"dense layers {list(trace.dense_layers)}, sparse {trace.sparse_attention}")
+        return
+    from hisparse.data.pydoc_corpus import heldout_tokens
+    from hisparse.models.loader import resolve_model_path
+    from hisparse.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    if args.prompt_file is not None:
+        ids = tokenizer.encode(args.prompt_file.read_text())
+        while len(ids) < args.length:
+            ids = ids + ids
+        ids = ids[:args.length]
+    else:
+        ids = heldout_tokens(tokenizer, args.length)
+    started = time.perf_counter()
+    trace = record(ids, args.max_tokens, args.out, top_k=args.top_k, sparse_attention=not args.dense,
+                   chunked_prefill_size=1024)
+    print(f"wrote {args.out}: {trace.num_layers} layers x {trace.num_steps} steps x top_k {trace.top_k} "
+          f"({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

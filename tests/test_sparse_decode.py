@@ -1,0 +1,153 @@
+"""Sparse decode: attention over the indexer's top-k equals dense attention restricted to that set; a context
+no longer than top_k is exactly dense; the shipped indexer keeps the default model's quality; top-k traces."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse import SamplingParams
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.forward_batch import ForwardBatch
+from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.request import Request
+from hisparse.engine.topk_trace import load_topk_trace, save_topk_trace, trace_from_request
+from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
+from hisparse.memory.rows import split_kv
+
+HQ, HKV, D, HI, DI = 4, 2, 16, 3, 64
+
+
+def _random_step(cache, spans, gen):
+    """Run every layer of one step with random q/k/v and index tensors; return the outputs and inputs."""
+    batch = ForwardBatch.build(spans)
+    backend = cache.bind(batch)
+    n = batch.input_ids.shape[0]
+    steps = []
+    for layer in range(cache.layout.num_layers):
+        t = {"q": torch.randn(n, HQ, D, generator=gen), "k": torch.randn(n, HKV, D, generator=gen),
+             "v": torch.randn(n, HKV, D, generator=gen), "index_q": torch.randn(n, HI, DI, generator=gen),
+             "index_k": torch.randn(n, DI, generator=gen), "index_w": torch.randn(n, HI, generator=gen)}
+        t["out"] = backend.attend(layer, **t)
+        steps.append(t)
+    return batch, steps
+
+
+def _cache_with_prompts(prompt_lens, top_k, enabled=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layout = KVLayout(num_layers=2, num_kv_heads=HKV, head_dim=D)
+    cache = PagedKVCache(layout, 512, D ** -0.5, sparse=SparseDecode(DI, enabled, top_k))
+    requests = [Request(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in prompt_lens]
+    for r in requests:
+        cache.admit(r)
+    _random_step(cache, [(r, r.num_prompt_tokens) for r in requests], gen)
+    for r in requests:
+        r.num_computed_tokens = r.num_prompt_tokens
+        r.output_token_ids.append(7)
+    return cache, requests, gen
+
+
+def test_sparse_decode_equals_dense_attention_over_the_selected_positions():
+    cache, requests, gen = _cache_with_prompts([5, 40, 23], top_k=8)
+    _, steps = _random_step(cache, [(r, 1) for r in requests], gen)
+    for layer, t in enumerate(steps):
+        for b, r in enumerate(requests):
+            length = r.num_prompt_tokens + 1
+            picked = cache.index_cache.select(layer, t["index_q"][b:b + 1], t["index_w"][b:b + 1],
+                                              r.kv.index_slots[None, :length], torch.tensor([length]), 8)[0]
+            picked = picked[picked >= 0]
+            assert len(picked) == min(8, length) and int(picked[-1]) == length - 1
+            k, v = split_kv(cache.kv[layer][r.kv.slots[picked]], HKV, D)
+            q = t["q"][b].double()
+            for h in range(HQ):
+                weights = torch.softmax(q[h] @ k[:, h // (HQ // HKV)].double().T * D ** -0.5, -1)
+                want = weights @ v[:, h // (HQ // HKV)].double()
+                torch.testing.assert_close(t["out"][b, h].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_context_within_top_k_is_bitwise_dense():
+    outs = []
+    for enabled in (True, False):
+        cache, requests, gen = _cache_with_prompts([5, 40, 23], top_k=64, enabled=enabled, seed=3)
+        outs.append([t["out"] for t in _random_step(cache, [(r, 1) for r in requests], gen)[1]])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_dense_layers_and_the_off_switch_decode_densely():
+    outs = {}
+    for name, sparse in {"off": SparseDecode(DI, False, 4), "dense_layers": SparseDecode(DI, True, 4, (0, 1)),
+                         "on": SparseDecode(DI, True, 4)}.items():
+        gen = torch.Generator().manual_seed(5)
+        cache = PagedKVCache(KVLayout(2, HKV, D), 128, D ** -0.5, sparse=sparse)
+        r = Request(list(range(1, 31)), SamplingParams(max_tokens=2))
+        cache.admit(r)
+        _random_step(cache, [(r, 30)], gen)
+        r.num_computed_tokens, r.output_token_ids = 30, [3]
+        outs[name] = _random_step(cache, [(r, 1)], gen)[1][1]["out"]
+    assert torch.equal(outs["off"], outs["dense_layers"])
+    assert not torch.allclose(outs["off"], outs["on"])
+
+
+# -- the real model with its shipped indexer -------------------------------------------------------------
+
+
+def make_engine(llama, tokenizer, **engine_args) -> LLMEngine:
+    return LLMEngine(EngineConfig(**engine_args), model=llama, tokenizer=tokenizer)
+
+
+def generate(engine, prompt, max_tokens, **kw):
+    request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), **kw)
+    while not request.finished:
+        engine.step()
+    return request
+
+
+def test_engine_sparse_equals_dense_while_the_context_fits_top_k(llama, tokenizer):
+    prompt = "The Python documentation says that a for loop"
+    sparse = generate(make_engine(llama, tokenizer), prompt, 24)
+    dense = generate(make_engine(llama, tokenizer, sparse_attention=False), prompt, 24)
+    assert sparse.output_token_ids == dense.output_token_ids
+
+
+def test_engine_records_topk_traces(llama, tokenizer, tmp_path):
+    from hisparse.data.pydoc_corpus import heldout_tokens
+
+    engine = make_engine(llama, tokenizer, top_k=64, chunked_prefill_size=512, record_topk=True,
+                         topk_trace_dir=str(tmp_path))
+    request = generate(engine, heldout_tokens(tokenizer, 100), 5)
+    trace = load_topk_trace(tmp_path / f"{request.request_id}.npz")
+    assert trace.num_layers == llama.config.num_layers and trace.top_k == 64
+    assert trace.seq_lens.tolist() == [101, 102, 103, 104]  # decode steps (the first token comes from prefill)
+    for layer in range(trace.num_layers):
+        assert trace.layers[layer].shape == (4, 64) and trace.layers[layer].dtype == np.int32
+        for step, seq_len in enumerate(trace.seq_lens):
+            picked = trace.selected(layer, step)
+            assert len(picked) == 64 and picked[-1] == seq_len - 1 and (np.diff(picked) > 0).all()
+    again = tmp_path / "again.npz"
+    save_topk_trace(again, trace_from_request(request, engine.cache.sparse))
+    assert all((a == b).all() for a, b in zip(load_topk_trace(again).layers, trace.layers, strict=True))
+
+
+@pytest.fixture(scope="module")
+def heldout_trial(llama, tokenizer):
+    """One 1k-token held-out passkey prompt, teacher-forced over its last 256 tokens, sparse vs dense."""
+    from hisparse.quality_report import passkey_prompt, run_trial
+
+    prompt, answer, _ = passkey_prompt(tokenizer, 1024, 0)
+    return run_trial(llama, prompt, answer, 256, tuple(llama.indexer_config.dense_layers), 256)
+
+
+def test_shipped_indexer_recalls_the_attention_mass_on_heldout_text(heldout_trial):
+    layers = heldout_trial["layers"]
+    ratio = np.mean([x["mass"] / x["oracle"] for x in layers])
+    assert ratio >= 0.9, f"indexer/oracle top-256 mass {ratio:.3f}"
+    assert all(x["mass"] <= x["oracle"] + 1e-6 for x in layers)
+
+
+def test_shipped_indexer_keeps_perplexity_and_the_passkey(heldout_trial):
+    change = math.exp(heldout_trial["sparse_nll"] - heldout_trial["dense_nll"]) - 1
+    assert change < 0.03, f"sparse perplexity {100 * change:+.2f}% vs dense"
+    assert heldout_trial["passkey_dense"] and heldout_trial["passkey_sparse"]
