@@ -22,6 +22,7 @@ from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 BACKENDS = ("reference", "cpu", "triton", "auto")
 TRITON_POLICIES = ("lru", "fifo")
+CPU_POLICIES = ("lru", "fifo", "clock")  # the others (lrfu) run on the reference under "auto"
 
 
 @dataclass
@@ -60,7 +61,7 @@ def resolve_backend(backend: str, policy: EvictionPolicy, device: torch.device) 
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if policy.name in TRITON_POLICIES else "reference"
-        return "cpu"
+        return "cpu" if policy.name in CPU_POLICIES else "reference"
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu swap-in backend needs CPU tensors, got {device}")
     if backend == "triton" and policy.name not in TRITON_POLICIES:

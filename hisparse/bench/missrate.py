@@ -1,0 +1,574 @@
+"""Miss rates of the hot-buffer eviction policies on recorded top-k traces, against Belady's optimum.
+
+Each request's trace (per layer, per decode step, the positions the indexer selected; see
+`hisparse.engine.topk_trace`) is replayed through a simulator of one layer's hot buffer with exactly the
+engine's semantics (`hisparse.memory.hisparse_cache`):
+
+- while the newest position p is below the buffer size S the buffer holds every token (the fast path:
+  no swap-in, no misses, and those steps are not counted);
+- at the first step with p >= S the buffer is reset to the last S positions before p, in order, the
+  oldest first to go (`reset_row`), and the policy forgets its history;
+- the newest token lives in the reserved slot and is never passed to swap-in, so the previous step's
+  newest token is a miss when selected;
+- each step loads the selected positions not in the buffer (misses) into slots chosen by the policy
+  among those not selected this step.
+
+Online policies (every entry of `EVICTION_POLICIES`, and `lrfu` from `hisparse.memory.eviction_lrfu`) are
+simulated with numba and must agree with the real `swap_in` reference miss for miss
+(tests/bench/test_missrate.py). Belady's offline optimum evicts, for each miss, the unselected slot whose
+position is next selected farthest in the future (per layer, per request); with all of a step's
+selections demanded at once this is still optimal (the usual exchange argument), so no online policy
+beats it.
+
+    python -m hisparse.bench_missrate [--trace-dir DIR] [--num-requests 4] [--context 2048] [--steps 128]
+        [--top-k 256] [--buffers 1,1.5,2,3] [--split heldout] [--out missrate_results] [--tune]
+
+Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
+HiSparse) on the Python-documentation corpus and cached in --trace-dir: `heldout` text for the reported
+numbers, `train` text for tuning the `lrfu` policy (`--split train --tune`). `--synthetic` replays
+generated traces instead (no model needed; for tests and smoke runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # see hisparse/kernels/swap_in_cpu.py
+
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace  # noqa: E402
+from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy  # noqa: E402
+from hisparse.memory.eviction_lrfu import LRFUPolicy  # noqa: E402
+
+OPTIMUM = "optimum"
+POLICIES: dict[str, type[EvictionPolicy]] = {**EVICTION_POLICIES, LRFUPolicy.name: LRFUPolicy}  # all compared
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "lrfu": 3}
+_LRU, _FIFO, _CLOCK, _LRFU = 0, 1, 2, 3
+_NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
+DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
+
+
+# -- the simulators ---------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _reset(slot_pos, order, pos_slot, state, first, num_slots):
+    """reset_row(positions=range(first, first + S)): slot i holds first + i, slot 0 first to go."""
+    for i in range(num_slots):
+        old = slot_pos[i]
+        if old >= 0:
+            pos_slot[old] = -1
+        slot_pos[i] = first + i
+        pos_slot[first + i] = i
+        order[i] = i
+        state[i] = 0
+
+
+@njit(cache=True)
+def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses):
+    """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
+
+    sel: int32 [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
+    The bookkeeping mirrors EvictionPolicy.plan_row and the policies' `choose` rules exactly.
+    """
+    steps, width = sel.shape
+    context = 1
+    for t in range(steps):
+        context = max(context, seq_lens[t])
+    slot_pos = np.full(num_slots, -1, np.int64)
+    order = np.arange(num_slots).astype(np.int64)
+    new_order = np.empty(num_slots, np.int64)
+    pos_slot = np.full(context, -1, np.int64)
+    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; lrfu: score
+    mark = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
+    evictable = np.empty(num_slots, np.int64)
+    hits = np.empty(num_slots, np.int64)
+    victims = np.empty(num_slots, np.int64)
+    keys = np.empty(num_slots, np.int64)
+    live = False
+    for t in range(steps):
+        newest = seq_lens[t] - 1
+        if newest < num_slots:
+            misses[t] = -1
+            continue
+        if not live:
+            _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots)
+            live = True
+        n_miss = 0
+        for j in range(width):
+            p = sel[t, j]
+            if p < 0 or p == newest:
+                continue
+            s = pos_slot[p]
+            if s >= 0:
+                mark[s] = 1
+            else:
+                n_miss += 1
+        n_ev = 0
+        n_hit = 0
+        for i in range(num_slots):
+            s = order[i]
+            if mark[s] == 1:
+                hits[n_hit] = s
+                n_hit += 1
+            else:
+                evictable[n_ev] = s
+                n_ev += 1
+        # victims, in miss order
+        if policy == _CLOCK:
+            for i in range(n_hit):
+                state[hits[i]] = 1
+            hand = 0
+            for v in range(n_miss):
+                while True:
+                    s = order[hand]
+                    hand = (hand + 1) % num_slots
+                    if mark[s] != 0:
+                        continue
+                    if state[s] != 0:
+                        state[s] = 0
+                        continue
+                    break
+                victims[v] = s
+                state[s] = 1
+                mark[s] = 2
+        elif policy == _LRFU:
+            for i in range(n_ev):  # lowest score first, ties in eviction order
+                keys[i] = state[evictable[i]] * num_slots + i
+            ranked = np.argsort(keys[:n_ev])
+            for v in range(n_miss):
+                victims[v] = evictable[ranked[v]]
+                mark[victims[v]] = 2
+        else:
+            for v in range(n_miss):
+                victims[v] = evictable[v]
+                mark[victims[v]] = 2
+        # load the misses, in column order
+        v = 0
+        for j in range(width):
+            p = sel[t, j]
+            if p < 0 or p == newest or pos_slot[p] >= 0:
+                continue
+            s = victims[v]
+            v += 1
+            old = slot_pos[s]
+            if old >= 0:
+                pos_slot[old] = -1
+            slot_pos[s] = p
+            pos_slot[p] = s
+        # the new order
+        if policy == _LRU:
+            k = 0
+            for i in range(n_ev):
+                if mark[evictable[i]] == 0:
+                    new_order[k] = evictable[i]
+                    k += 1
+            for i in range(n_miss):
+                new_order[k] = victims[i]
+                k += 1
+            for i in range(n_hit):
+                new_order[k] = hits[i]
+                k += 1
+        elif policy == _FIFO:
+            k = 0
+            for i in range(num_slots):
+                if mark[order[i]] != 2:
+                    new_order[k] = order[i]
+                    k += 1
+            for i in range(n_miss):
+                new_order[k] = victims[i]
+                k += 1
+        elif policy == _CLOCK:
+            for i in range(num_slots):
+                new_order[i] = order[(hand + i) % num_slots]
+        else:
+            for s in range(num_slots):
+                state[s] = (state[s] * decay) >> 16
+            for i in range(n_hit):
+                state[hits[i]] += 1 << 16
+            for i in range(n_miss):
+                state[victims[i]] = load_score
+            k = 0  # LRU's order, then a stable sort by the new score
+            for i in range(n_ev):
+                if mark[evictable[i]] == 0:
+                    new_order[k] = evictable[i]
+                    k += 1
+            for i in range(n_miss):
+                new_order[k] = victims[i]
+                k += 1
+            for i in range(n_hit):
+                new_order[k] = hits[i]
+                k += 1
+            for i in range(num_slots):
+                keys[i] = state[new_order[i]] * num_slots + i
+            ranked = np.argsort(keys)
+            for i in range(num_slots):
+                evictable[i] = new_order[ranked[i]]
+            for i in range(num_slots):
+                new_order[i] = evictable[i]
+        for i in range(num_slots):
+            order[i] = new_order[i]
+            mark[i] = 0
+        misses[t] = n_miss
+
+
+@njit(cache=True)
+def _simulate_optimum(sel, seq_lens, num_slots, misses):
+    """Belady's MIN for one layer of one request: a miss evicts the unselected slot used farthest ahead."""
+    steps, width = sel.shape
+    context = 1
+    for t in range(steps):
+        context = max(context, seq_lens[t])
+    # next_use[t, j]: the next step after t that selects sel[t, j]; first[p]: p's first selection
+    next_use = np.full((steps, width), _NEVER, np.int64)
+    first = np.full(context, _NEVER, np.int64)
+    for t in range(steps - 1, -1, -1):
+        newest = seq_lens[t] - 1
+        for j in range(width):
+            p = sel[t, j]
+            if p < 0 or p == newest:
+                continue
+            next_use[t, j] = first[p]
+            first[p] = t
+    upcoming = first  # upcoming[p]: the next step from now on that selects p
+    slot_pos = np.full(num_slots, -1, np.int64)
+    pos_slot = np.full(context, -1, np.int64)
+    order = np.arange(num_slots).astype(np.int64)
+    state = np.zeros(num_slots, np.int64)
+    selected = np.zeros(num_slots, np.uint8)
+    evictable = np.empty(num_slots, np.int64)
+    keys = np.empty(num_slots, np.int64)
+    live = False
+    for t in range(steps):
+        newest = seq_lens[t] - 1
+        if newest < num_slots:
+            misses[t] = -1
+        else:
+            if not live:
+                _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots)
+                live = True
+            n_miss = 0
+            for j in range(width):
+                p = sel[t, j]
+                if p < 0 or p == newest:
+                    continue
+                if pos_slot[p] >= 0:
+                    selected[pos_slot[p]] = 1
+                else:
+                    n_miss += 1
+            if n_miss:
+                n_ev = 0
+                for s in range(num_slots):
+                    if selected[s] == 0:
+                        evictable[n_ev] = s
+                        keys[n_ev] = -(_NEVER + 1) if slot_pos[s] < 0 else -upcoming[slot_pos[s]]
+                        n_ev += 1
+                ranked = np.argsort(keys[:n_ev])  # farthest next use (or empty) first
+                v = 0
+                for j in range(width):
+                    p = sel[t, j]
+                    if p < 0 or p == newest or pos_slot[p] >= 0:
+                        continue
+                    s = evictable[ranked[v]]
+                    v += 1
+                    if slot_pos[s] >= 0:
+                        pos_slot[slot_pos[s]] = -1
+                    slot_pos[s] = p
+                    pos_slot[p] = s
+            selected[:] = 0
+            misses[t] = n_miss
+        for j in range(width):
+            p = sel[t, j]
+            if p >= 0 and p != newest:
+                upcoming[p] = next_use[t, j]
+
+
+@njit(parallel=True, cache=True)
+def _simulate_layers(sel, seq_lens, num_slots, policy, decay, load_score):
+    """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
+    out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
+    for layer in prange(sel.shape[0]):
+        if policy < 0:
+            _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
+        else:
+            _simulate_online(sel[layer], seq_lens, num_slots, policy, decay, load_score, out[layer])
+    return out
+
+
+def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
+    """One layer's policy object, by its name in POLICIES."""
+    return POLICIES[name](num_rows, num_slots)
+
+
+def simulate(trace: TopkTrace, num_slots: int, policy: str, decay: int | None = None,
+             load_score: int | None = None) -> np.ndarray:
+    """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
+
+    `policy` is a name in POLICIES or "optimum"; `decay` and `load_score` override lrfu's.
+    """
+    if policy != OPTIMUM and policy not in POLICY_CODES:
+        raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
+                         f"{OPTIMUM}")
+    sel = np.ascontiguousarray(np.stack(trace.layers).astype(np.int64))
+    seq_lens = np.asarray(trace.seq_lens, dtype=np.int64)
+    code = -1 if policy == OPTIMUM else POLICY_CODES[policy]
+    decay = LRFUPolicy.decay if decay is None else decay
+    load_score = LRFUPolicy.load_score if load_score is None else load_score
+    return _simulate_layers(sel, seq_lens, num_slots, code, decay, load_score)
+
+
+def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
+    """Total misses over total swap-in (non-fast-path) steps x layers, over all requests."""
+    total = counted = 0
+    for trace in traces:
+        m = simulate(trace, num_slots, policy, **params)
+        total += int(m[m >= 0].sum())
+        counted += int((m >= 0).sum())
+    return total / max(counted, 1)
+
+
+# -- traces -----------------------------------------------------------------------------------------
+
+
+def synthetic_trace(seed: int, num_layers: int = 2, context: int = 600, steps: int = 24, top_k: int = 32,
+                    sinks: int = 4, window: int = 16) -> TopkTrace:
+    """A made-up trace with the shape of real ones: sink tokens and a local window always selected, the
+    rest by a persistent per-position importance plus noise that drifts from step to step."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    seq_lens = np.arange(context + 1, context + steps + 1, dtype=np.int32)
+    for _ in range(num_layers):
+        base = rng.standard_normal(context + steps) * 1.5
+        noise = rng.standard_normal(context + steps)
+        rows = np.full((steps, top_k), -1, dtype=np.int32)
+        for t, seq_len in enumerate(seq_lens):
+            noise = 0.8 * noise + 0.6 * rng.standard_normal(noise.size)
+            score = base[:seq_len] + noise[:seq_len]
+            score[:sinks] = np.inf
+            score[max(0, seq_len - window):] = np.inf
+            picked = np.sort(np.argsort(-score, kind="stable")[:top_k])
+            rows[t, :picked.size] = picked
+        layers.append(rows)
+    return TopkTrace(layers, seq_lens, top_k, context, (), True, f"synthetic-{seed}")
+
+
+def prompt_ids(tokenizer, split: str, index: int, num_requests: int, context: int) -> list[int]:
+    """Request `index` of `num_requests`: `context` tokens of the split's text, starts spread evenly."""
+    from hisparse.data.pydoc_corpus import corpus_tokens
+
+    ids = corpus_tokens(tokenizer, split)
+    start = index * len(ids) // num_requests
+    while len(ids) < start + context:
+        ids = ids + ids
+    return ids[start:start + context]
+
+
+def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int, steps: int,
+                   top_k: int) -> list[TopkTrace]:
+    """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    tag = indexer_tag()
+    paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_idx{tag}_{i}of{num_requests}.npz"
+             for i in range(num_requests)]
+    missing = [i for i, p in enumerate(paths) if not p.exists()]
+    if missing:
+        record_batch(paths, missing, split, num_requests, context, steps, top_k)
+    return [load_topk_trace(p) for p in paths]
+
+
+def indexer_tag() -> str:
+    """A short digest of the shipped indexer weights: traces of other weights are not reused."""
+    import hashlib
+
+    from hisparse.layers.indexer import SHIPPED_WEIGHTS
+
+    if not SHIPPED_WEIGHTS.exists():
+        return "none"
+    return hashlib.sha1(SHIPPED_WEIGHTS.read_bytes()).hexdigest()[:8]
+
+
+def record_batch(paths: list[Path], missing: list[int], split: str, num_requests: int, context: int,
+                 steps: int, top_k: int) -> None:
+    from tqdm import tqdm
+
+    from hisparse.engine.engine_config import EngineConfig
+    from hisparse.engine.llm_engine import LLMEngine
+    from hisparse.engine.sampling_params import SamplingParams
+    from hisparse.engine.topk_trace import trace_from_request
+    from hisparse.layers.indexer import SHIPPED_WEIGHTS
+
+    if not SHIPPED_WEIGHTS.exists():
+        raise FileNotFoundError(f"recording traces needs the trained indexer ({SHIPPED_WEIGHTS}); "
+                                "use --synthetic to try the benchmark without it")
+    # All layers sparse, as under HiSparse; greedy decode of held-out (or train) text.
+    engine = LLMEngine(EngineConfig(top_k=top_k, dense_layers=(), chunked_prefill_size=1024,
+                                    max_running_requests=len(missing)))
+    if engine.cache.sparse is None:
+        raise ValueError("the model has no lightning indexer: there is no top-k to record")
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    requests = {i: engine.add_request(prompt_ids(engine.tokenizer, split, i, num_requests, context), params,
+                                      request_id=f"{split}-{i}", record_topk=True) for i in missing}
+    total = len(missing) * (context + steps)
+    with tqdm(total=total, desc=f"recording {len(missing)} {split} traces", unit="tok") as bar:
+        done = 0
+        while engine.has_unfinished:
+            engine.step()
+            now = sum(r.num_computed_tokens for r in requests.values())
+            bar.update(now - done)
+            done = now
+    for i, request in requests.items():
+        save_topk_trace(paths[i], trace_from_request(request, engine.cache.sparse))
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    buffer_factor: float
+    num_slots: int
+    misses: dict[str, float]  # policy -> misses per step per layer
+
+
+def run(traces: list[TopkTrace], top_k: int, factors: list[float], policies: list[str],
+        progress: bool = True) -> list[Result]:
+    from tqdm import tqdm
+
+    results = []
+    jobs = [(f, p) for f in factors for p in [*policies, OPTIMUM]]
+    with tqdm(total=len(jobs), desc="replaying", disable=not progress) as bar:
+        for factor in factors:
+            num_slots = int(round(factor * top_k))
+            row = {}
+            for policy in [*policies, OPTIMUM]:
+                row[policy] = misses_per_step_per_layer(traces, num_slots, policy)
+                bar.update(1)
+            results.append(Result(factor, num_slots, row))
+    return results
+
+
+def tune_lrfu(traces: list[TopkTrace], num_slots: int, decays: list[float], load_scores: list[float]) -> dict:
+    """Grid of lrfu's (decay, load_score) at one buffer size: misses per step per layer for each."""
+    one = LRFUPolicy.ONE
+    grid = {}
+    for decay in decays:
+        for load in load_scores:
+            grid[(decay, load)] = misses_per_step_per_layer(traces, num_slots, "lrfu", decay=int(round(decay * one)),
+                                                            load_score=int(round(load * one)))
+    return grid
+
+
+def markdown_table(results: list[Result], policies: list[str]) -> str:
+    cols = [*policies, OPTIMUM]
+    lines = ["| buffer | slots | " + " | ".join(cols) + " | " + " | ".join(f"{p} excess" for p in policies)
+             + " | lrfu closes of LRU's gap |",
+             "|" + "---|" * (2 + len(cols) + len(policies) + 1)]
+    for r in results:
+        opt = r.misses[OPTIMUM]
+        gap = r.misses.get("lru", float("nan")) - opt
+        closed = (r.misses["lru"] - r.misses["lrfu"]) / gap if "lrfu" in r.misses and gap > 1e-9 else float("nan")
+        lines.append(f"| {r.buffer_factor:g}x | {r.num_slots} | " + " | ".join(f"{r.misses[c]:.2f}" for c in cols)
+                     + " | " + " | ".join(f"+{r.misses[p] - opt:.2f} ({r.misses[p] / opt:.2f}x)" if opt > 0
+                                          else f"+{r.misses[p] - opt:.2f}" for p in policies)
+                     + (f" | {closed:.0%} |" if closed == closed else " | - |"))
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], policies: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [r.buffer_factor for r in results]
+    for policy in [*policies, OPTIMUM]:
+        ax.plot(xs, [r.misses[policy] for r in results], marker="o", label=policy,
+                linestyle="--" if policy == OPTIMUM else "-", color="black" if policy == OPTIMUM else None)
+    ax.set_xlabel("device buffer size (x top_k)")
+    ax.set_ylabel("misses per step per layer")
+    ax.set_xticks(xs)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hisparse.bench_missrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help="recorded traces (cache)")
+    parser.add_argument("--num-requests", type=int, default=4)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps recorded per request")
+    parser.add_argument("--top-k", type=int, default=256)
+    parser.add_argument("--buffers", default="1,1.5,2,3", help="device buffer sizes in units of top_k")
+    parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
+                        help="text the traces are recorded on (tune on train, report on heldout)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--tune", action="store_true", help="also grid-search lrfu's parameters at 2x top_k")
+    parser.add_argument("--synthetic", action="store_true", help="replay generated traces (no model needed)")
+    parser.add_argument("--out", type=Path, default=Path("missrate_results"))
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    factors = [float(f) for f in args.buffers.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    if any(f < 1 for f in factors):
+        parser.error("--buffers must be >= 1 (the buffer must hold the top_k)")
+    started = time.perf_counter()
+    if args.synthetic:
+        traces = [synthetic_trace(i, context=args.context, steps=args.steps, top_k=args.top_k)
+                  for i in range(args.num_requests)]
+        source = "synthetic"
+    else:
+        traces = load_or_record(args.trace_dir, args.split, args.num_requests, args.context, args.steps, args.top_k)
+        source = f"SmolLM2-135M + indexer, {args.split} text"
+    recorded = time.perf_counter()
+    top_k = traces[0].top_k
+    results = run(traces, top_k, factors, policies, progress=not args.no_progress)
+    title = (f"{source}: {len(traces)} requests x {args.context} ctx x {args.steps} steps, "
+             f"top_k {top_k}, {traces[0].num_layers} layers")
+    table = markdown_table(results, policies)
+    lrfu_params = {"decay": LRFUPolicy.decay / LRFUPolicy.ONE, "load_score": LRFUPolicy.load_score / LRFUPolicy.ONE}
+    lrfu = f"lrfu: decay {lrfu_params['decay']:.4g}, load_score {lrfu_params['load_score']:.4g}"
+    print(f"\nmisses per step per layer ({title}; {lrfu})\n")
+    print(table)
+    report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
+              "steps": args.steps, "top_k": top_k, "num_layers": traces[0].num_layers,
+              "lrfu": lrfu_params,
+              "results": [{"buffer_factor": r.buffer_factor, "num_slots": r.num_slots, "misses": r.misses,
+                           "excess_over_optimum": {p: r.misses[p] - r.misses[OPTIMUM] for p in policies}}
+                          for r in results]}
+    if args.tune:
+        decays = [0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98]
+        loads = [0.25, 0.5, 0.75, 1.0, 1.5]
+        num_slots = 2 * top_k
+        grid = tune_lrfu(traces, num_slots, decays, loads)
+        best = min(grid, key=grid.get)
+        print(f"\nlrfu at {num_slots} slots (2x top_k), misses per step per layer; rows decay, columns load_score\n")
+        print("| decay | " + " | ".join(f"{x:g}" for x in loads) + " |\n|" + "---|" * (len(loads) + 1))
+        for d in decays:
+            print(f"| {d:g} | " + " | ".join(f"{grid[(d, x)]:.2f}" for x in loads) + " |")
+        print(f"\nbest: decay {best[0]:g}, load_score {best[1]:g}: {grid[best]:.2f}")
+        report["tune"] = {"num_slots": num_slots, "best": {"decay": best[0], "load_score": best[1]},
+                          "grid": [{"decay": d, "load_score": x, "misses": v} for (d, x), v in grid.items()]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {lrfu})\n\n{table}\n")
+    plot(results, policies, args.out / "missrate.png", title)
+    print(f"\nwrote {args.out}/missrate.{{json,md,png}} (traces {recorded - started:.0f} s, "
+          f"replay {time.perf_counter() - recorded:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

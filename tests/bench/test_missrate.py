@@ -1,0 +1,142 @@
+"""The miss-rate benchmark: its simulator agrees with the real swap-in, Belady's optimum is a lower bound,
+and the CLI runs end to end on a synthetic trace."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse.bench.missrate import OPTIMUM, POLICIES, POLICY_CODES, main, make_policy, simulate, synthetic_trace
+from hisparse.engine.topk_trace import TopkTrace
+from hisparse.kernels.swap_in import swap_in
+from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_row
+from hisparse.memory.eviction_lrfu import LRFUPolicy
+
+
+def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: int) -> np.ndarray:
+    """Misses [L, T] of the trace through the real swap_in reference, driven as HiSparseKVCache drives it:
+    fast path while the newest position is below the buffer size, then the buffer reset to the last
+    positions, and the newest position (in the reserved slot) never passed to swap-in."""
+    context = int(trace.seq_lens.max())
+    out = np.full((trace.num_layers, trace.num_steps), -1)
+    for layer in range(trace.num_layers):
+        slot_pos, lru = new_slot_tables(1, num_slots)
+        policy = make_policy(policy_name, 1, num_slots)
+        for key, value in params.items():  # lrfu's decay and load_score, as simulate() takes them
+            setattr(policy, key, value)
+        device_rows = torch.arange(num_slots).view(1, -1)
+        host_rows = torch.arange(context).view(1, -1)
+        host_kv, device_kv = torch.randn(context, 2), torch.zeros(num_slots, 2)
+        live = False
+        for t, seq_len in enumerate(trace.seq_lens.tolist()):
+            newest = seq_len - 1
+            if newest < num_slots:
+                continue
+            if not live:
+                reset_row(slot_pos, lru, 0, range(newest - num_slots, newest), policy)
+                live = True
+            top_k = torch.from_numpy(trace.layers[layer][t].astype(np.int64)).view(1, -1)
+            top_k = torch.where(top_k == newest, -1, top_k)
+            res = swap_in(top_k, torch.tensor([0]), slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
+                          policy=policy, backend="reference")
+            out[layer, t] = int(res.misses[0])
+    return out
+
+
+def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int, keep: float) -> TopkTrace:
+    """Uniformly random selections, each step keeping a share of the previous one."""
+    rng = np.random.default_rng(seed)
+    seq_lens = np.arange(start + 1, start + steps + 1, dtype=np.int32)
+    layers = []
+    for _ in range(num_layers):
+        rows = np.full((steps, top_k), -1, dtype=np.int32)
+        previous = np.array([], dtype=np.int64)
+        for t, seq_len in enumerate(seq_lens):
+            count = min(top_k, seq_len)
+            kept = previous[rng.random(previous.size) < keep][:count]
+            fresh = rng.permutation(np.setdiff1d(np.arange(seq_len), kept))[:count - kept.size]
+            picked = np.sort(np.concatenate([kept, fresh]))
+            rows[t, :picked.size] = picked
+            previous = picked
+        layers.append(rows)
+    return TopkTrace(layers, seq_lens, top_k)
+
+
+def test_every_policy_has_a_simulator():
+    assert set(EVICTION_POLICIES) < set(POLICIES) == set(POLICY_CODES)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("num_slots", [16, 24, 40])
+def test_simulator_matches_swap_in_reference_miss_for_miss(policy, num_slots):
+    # The context starts below the 24- and 40-slot buffers: fast path, then the switch to swap-in.
+    trace = synthetic_trace(seed=num_slots, num_layers=2, context=20, steps=40, top_k=16, sinks=2, window=4)
+    expected = engine_replay(trace, num_slots, policy)
+    assert (expected >= 0).any()
+    np.testing.assert_array_equal(simulate(trace, num_slots, policy), expected)
+
+
+def test_simulator_matches_swap_in_on_random_selections():
+    trace = random_trace(3, num_layers=2, start=30, steps=25, top_k=12, keep=0.6)
+    for policy in POLICIES:
+        np.testing.assert_array_equal(simulate(trace, 18, policy), engine_replay(trace, 18, policy))
+
+
+@pytest.mark.parametrize(("decay", "load_score"), [(0.5, 1.0), (0.9, 0.5), (0.97, 0.25)])
+def test_simulator_matches_swap_in_for_lrfu_parameters(decay, load_score):
+    params = {"decay": int(decay * LRFUPolicy.ONE), "load_score": int(load_score * LRFUPolicy.ONE)}
+    trace = synthetic_trace(seed=7, num_layers=2, context=60, steps=30, top_k=16, sinks=2, window=4)
+    for num_slots in (16, 28):
+        np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", **params),
+                                      engine_replay(trace, num_slots, "lrfu", **params))
+
+
+def test_fast_path_steps_have_no_misses_and_are_marked():
+    trace = synthetic_trace(seed=1, num_layers=1, context=20, steps=30, top_k=16, sinks=2, window=4)
+    misses = simulate(trace, 32, "lru")
+    newest = trace.seq_lens - 1
+    assert (misses[0][newest < 32] == -1).all() and (misses[0][newest >= 32] >= 0).all()
+
+
+def test_optimum_on_a_worked_example():
+    # 3 slots holding 7, 8, 9 (7 first to go) when the newest position is 10.
+    # t0 selects 3: both evict 8. t1 selects 9 and 10 (the previous newest): LRU evicts 3 (its oldest
+    # unselected), the optimum 7 (never used again). t2 selects 3 again: a miss only for LRU.
+    layers = [np.array([[3, 7], [9, 10], [3, -1]], dtype=np.int32)]
+    trace = TopkTrace(layers, np.array([11, 12, 13], dtype=np.int32), 2)
+    assert simulate(trace, 3, OPTIMUM)[0].tolist() == [1, 1, 0]
+    assert simulate(trace, 3, "lru")[0].tolist() == [1, 1, 1]
+    assert engine_replay(trace, 3, "lru")[0].tolist() == [1, 1, 1]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), top_k=st.integers(1, 24), extra=st.integers(0, 24),
+       start=st.integers(0, 60), steps=st.integers(1, 30), keep=st.floats(0.0, 1.0))
+def test_optimum_is_never_worse_than_an_online_policy(seed, top_k, extra, start, steps, keep):
+    trace = random_trace(seed, num_layers=2, start=start, steps=steps, top_k=top_k, keep=keep)
+    num_slots = top_k + extra
+    best = simulate(trace, num_slots, OPTIMUM)
+    assert ((best >= 0) == (simulate(trace, num_slots, "lru") >= 0)).all()
+    for policy in POLICIES:
+        online = simulate(trace, num_slots, policy)
+        assert (best.clip(min=0).sum(axis=1) <= online.clip(min=0).sum(axis=1)).all(), policy  # per layer
+
+
+def test_cli_runs_end_to_end_on_a_synthetic_trace(tmp_path, capsys):
+    main(["--synthetic", "--num-requests", "2", "--context", "200", "--steps", "12", "--top-k", "16",
+          "--buffers", "1,2", "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert "optimum" in printed and "lru excess" in printed
+    report = json.loads((tmp_path / "missrate.json").read_text())
+    assert [r["buffer_factor"] for r in report["results"]] == [1.0, 2.0]
+    for r in report["results"]:
+        assert set(r["misses"]) == {*POLICIES, OPTIMUM}
+        assert all(v >= -1e-9 for v in r["excess_over_optimum"].values())
+    table = (tmp_path / "missrate.md").read_text()
+    assert "\n| 1x | 16 |" in table and "\n| 2x | 32 |" in table
+    assert (tmp_path / "missrate.png").read_bytes()[:4] == b"\x89PNG"
