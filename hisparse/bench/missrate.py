@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -495,7 +496,7 @@ def plot(results: list[Result], policies: list[str], path: Path, title: str) -> 
     ax.set_xlabel("device buffer size (x top_k)")
     ax.set_ylabel("misses per step per layer")
     ax.set_xticks(xs)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
