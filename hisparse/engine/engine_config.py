@@ -23,6 +23,10 @@ class EngineConfig:
     dense_layers: tuple[int, ...] | None = None  # layers that decode densely; None = the indexer's own choice
     record_topk: bool = False  # record every request's selected positions per layer per decode step
     topk_trace_dir: str | None = None  # where finished requests' traces are written (<request_id>.npz)
+    # HiSparse: full K/V in a host pool, a hot buffer per request on the device, swap-in per decode step.
+    enable_hisparse: bool = False
+    hisparse_config: str | dict | None = None  # JSON text or dict: top_k, device_buffer_size, ...
+    swap_in_backend: str = "auto"  # "auto", "cpu", "reference" or "triton"
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -33,13 +37,24 @@ class EngineConfig:
         positive_int("max_running_requests")
         positive_int("chunked_prefill_size")
         positive_int("top_k")
-        for name in ("sparse_attention", "record_topk"):
+        for name in ("sparse_attention", "record_topk", "enable_hisparse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense_layers is not None:
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.dense_layers):
                 raise ValueError(f"dense_layers must be layer numbers >= 0, got {self.dense_layers!r}")
             self.dense_layers = tuple(self.dense_layers)
+        if self.swap_in_backend not in ("auto", "cpu", "reference", "triton"):
+            raise ValueError(f"swap_in_backend must be auto, cpu, reference or triton, got {self.swap_in_backend!r}")
+        if self.enable_hisparse:
+            from hisparse.memory.hisparse_config import HiSparseConfig
+
+            self.hisparse_config = HiSparseConfig.parse(self.hisparse_config, self.top_k)
+            self.top_k = self.hisparse_config.top_k
+            if not self.sparse_attention:
+                raise ValueError("enable_hisparse needs sparse_attention: dense decode reads every token")
+        elif self.hisparse_config is not None:
+            raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
         if self.kv_cache_dtype not in ("float32", "bfloat16"):
@@ -54,6 +69,17 @@ class EngineConfig:
     def resolved_kv_budget(self, weight_bytes: int) -> int:
         """On a GPU, a fraction of what the weights leave free (like --mem-fraction-static); on the CPU,
         where device memory is only a budget, 1 GiB unless the user says otherwise."""
+        if self.swap_in_backend not in ("auto", "cpu", "reference", "triton"):
+            raise ValueError(f"swap_in_backend must be auto, cpu, reference or triton, got {self.swap_in_backend!r}")
+        if self.enable_hisparse:
+            from hisparse.memory.hisparse_config import HiSparseConfig
+
+            self.hisparse_config = HiSparseConfig.parse(self.hisparse_config, self.top_k)
+            self.top_k = self.hisparse_config.top_k
+            if not self.sparse_attention:
+                raise ValueError("enable_hisparse needs sparse_attention: dense decode reads every token")
+        elif self.hisparse_config is not None:
+            raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             return self.device_kv_budget
         if self.device.startswith("cuda"):

@@ -13,6 +13,7 @@ from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
+from hisparse.memory.hisparse_cache import HiSparseKVCache
 from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 from hisparse.models.loader import load_llama, resolve_model_path
 from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -39,8 +40,16 @@ class LLMEngine:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.torch_kv_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = self.config.resolved_kv_budget(weight_bytes)
-        self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device,
-                                              self._sparse_decode())
+        sparse = self._sparse_decode()
+        if self.config.enable_hisparse:
+            if sparse is None or sparse.dense_layers:
+                raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
+            self.cache = HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_dim,
+                                         self.config.max_running_requests, self.max_model_len,
+                                         self.model.attention_scale, self.config.device, self.config.swap_in_backend)
+        else:
+            self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device,
+                                                  sparse)
         self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(self.model, self.cache)
@@ -155,3 +164,16 @@ class LLMEngine:
             from hisparse.engine.topk_trace import save_request_trace
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
+
+    def stats_dict(self) -> dict:
+        """Engine counters, memory usage and (with HiSparse) hits, misses, evictions, bytes and seconds."""
+        s = self.stats
+        out = {"steps": s.steps, "step_seconds": s.step_seconds, "forward_seconds": self.runner.forward_seconds,
+               "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
+               "finished_requests": s.finished_requests, "running": len(self.scheduler.running),
+               "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
+               "memory": self.cache.usage()}
+        counters = getattr(self.cache, "counters", None)
+        if counters is not None:
+            out["swap_in"] = counters.as_dict()
+        return out

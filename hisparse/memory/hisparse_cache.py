@@ -98,7 +98,9 @@ class HiSparseKVCache:
         pin = device != "cpu" and torch.cuda.is_available()
         self.device_kv = torch.zeros(layout.num_layers, self.device_slots, layout.row_size, dtype=layout.dtype,
                                      device=device)
-        self.host_kv = torch.zeros(layout.num_layers, self.logical_capacity, layout.row_size, dtype=layout.dtype,
+        # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and
+        # touching gigabytes of fresh pages would cost seconds at start-up.
+        self.host_kv = torch.empty(layout.num_layers, self.logical_capacity, layout.row_size, dtype=layout.dtype,
                                    pin_memory=pin)
         self.index_cache = IndexerKeyCache(layout.num_layers, self.logical_capacity, index_dim, device=device)
         self.device_allocator = SlotAllocator(self.device_slots)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
 
 _NEWEST = float("inf")
@@ -38,7 +39,7 @@ class IndexerKeyCache:
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The dequantized keys at `slots` (any shape) -> [*slots.shape, index_dim] float32, in the Hadamard
         basis they are stored in (score them with `format.prepare_query(q)`)."""
-        return self.format.unpack(self.rows[layer][slots])
+        return self.format.unpack(gather_rows(self.rows[layer], slots))
 
     def scores(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """I[b, p] = sum_h w[b, h] * ReLU(q[b, h] . k[slots[b, p]]): [B, L] for q [B, H, d], w [B, H]."""
