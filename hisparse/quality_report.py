@@ -5,7 +5,8 @@ the same run, sparse (top_k 256) against dense:
 
 1. recall: per layer, the share of the true attention mass (the model's attention summed over heads,
    L1-normalised) inside the indexer's top_k, next to the share inside the true top_k (the oracle);
-2. next-token NLL and perplexity of sparse against dense on the same tokens;
+2. next-token NLL and perplexity of sparse against dense on the same tokens (the held-out text of the
+   tail, not the passkey question and answer);
 3. passkey retrieval: a 5-digit number hidden at some depth of the text, asked for at the end;
 4. overlap of consecutive decode steps' top-k sets per layer (indexer and oracle): what decides the miss
    rate of a hot buffer.
@@ -135,7 +136,7 @@ def _overlap(sets: torch.Tensor) -> float:
     return float(np.mean(shares))
 
 
-def passkey_prompt(tokenizer, context: int, trial: int, answer_len: int = 7) -> tuple[list[int], list[int], int]:
+def passkey_prompt(tokenizer, context: int, trial: int) -> tuple[list[int], list[int], int]:
     """(prompt ids, answer ids, passkey): held-out text with the passkey sentence inserted at a depth that
     varies with the trial, then the question; prompt + answer is exactly `context` tokens."""
     from hisparse.data.pydoc_corpus import heldout_tokens
@@ -154,8 +155,9 @@ def passkey_prompt(tokenizer, context: int, trial: int, answer_len: int = 7) -> 
 
 @torch.inference_mode()
 def run_trial(model, prompt: list[int], answer: list[int], top_k: int, dense_layers: tuple[int, ...],
-              tail: int, alt_dense_layers: tuple[int, ...] | None = None) -> dict:
-    """One passkey prompt: recall, overlap, NLL and passkey, sparse vs dense (module docstring). With
+              tail: int, alt_dense_layers: tuple[int, ...] | None = None, text_end: int | None = None) -> dict:
+    """One passkey prompt: recall, overlap, NLL and passkey, sparse vs dense (module docstring). The NLL
+    counts only next tokens before `text_end` (the question's first token: the held-out text); with
     `alt_dense_layers`, also the sparse NLL when those layers (instead of `dense_layers`) stay dense."""
     ids = torch.tensor(prompt + answer)
     total = len(ids)
@@ -166,9 +168,13 @@ def run_trial(model, prompt: list[int], answer: list[int], top_k: int, dense_lay
     def run(lo, hi):
         return model(ids[lo:hi], positions[lo:hi], backend)
 
+    end = len(prompt) if text_end is None else text_end
+
     def nll(hidden, lo, hi):
-        logp = model.compute_logits(hidden[:-1]).float().log_softmax(-1)
-        return -logp.gather(1, ids[lo + 1:hi, None]).squeeze(1)
+        """Mean NLL of the next tokens lo+1 .. min(hi, end)-1 (the text, not the question or answer)."""
+        last = min(hi, end)
+        logp = model.compute_logits(hidden[:last - 1 - lo]).float().log_softmax(-1)
+        return -logp.gather(1, ids[lo + 1:last, None]).squeeze(1)
 
     run(0, split)  # the shared dense prefix (a prefill)
     backend.measure = [None] * backend.num_layers
@@ -307,8 +313,9 @@ def main(argv=None) -> None:
         trials = []
         for trial in range(args.trials):
             prompt, answer, _ = passkey_prompt(tokenizer, context, trial)
+            text_end = len(prompt) - len(tokenizer.encode(PASSKEY_QUESTION))
             t0 = time.perf_counter()
-            trials.append(run_trial(model, prompt, answer, args.top_k, dense_layers, args.tail, alt))
+            trials.append(run_trial(model, prompt, answer, args.top_k, dense_layers, args.tail, alt, text_end))
             t = trials[-1]
             print(f"context {context} trial {trial}: nll dense {t['dense_nll']:.4f} sparse {t['sparse_nll']:.4f}, "
                   f"passkey dense {t['passkey_dense']} sparse {t['passkey_sparse']} "

@@ -21,6 +21,7 @@ is the same run), a held-out recall line after every epoch, and the final weight
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -72,9 +73,12 @@ _MASKED = -1e30  # finite, so that 0 * log p stays 0 at masked (future) position
 
 
 @torch.no_grad()
-def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
     """The frozen model's attention of query rows `rows` over keys 0..T-1 of the sequence whose layer
-    input is x [T, hidden], summed over heads and L1-normalised: [R, T], zero after each row's position."""
+    input is x [T, hidden], summed over heads and L1-normalised: [R, T], zero after each row's position.
+
+    reduce="max" takes the largest head's probability per key instead of the sum (then L1-normalises):
+    a key one head attends to sharply weighs as much as a key all heads attend to."""
     attn = model.layers[layer].attn
     mc = model.config
     groups, per_group, d = mc.num_kv_heads, mc.num_heads // mc.num_kv_heads, mc.head_dim
@@ -87,6 +91,9 @@ def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor) -> 
     logits.mul_(model.attention_scale)
     future = torch.arange(x.shape[0])[None, :] > rows[:, None]
     probs = logits.masked_fill_(future, float("-inf")).softmax(-1)
+    if reduce == "max":
+        top = probs.amax(0)
+        return top / top.sum(-1, keepdim=True)
     return probs.mean(0)
 
 
@@ -146,20 +153,32 @@ def capture_to_memmap(model, chunks: list[torch.Tensor], folder: Path, name: str
     return store
 
 
-def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int, min_row: int) -> list[dict]:
-    """Held-out recall of every layer on the first held-out chunk, on evenly spaced query rows."""
+def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int, min_row: int,
+             layers: list[int]) -> list[dict]:
+    """Held-out recall of `layers` on the first held-out chunk, on evenly spaced query rows."""
     t = store.shape[2]
     rows = torch.linspace(min_row, t - 1, rows_per_layer).long()
     cos, sin = model.rotary.cos_sin(torch.arange(t))
     out = []
     with torch.no_grad():
-        for layer, indexer in enumerate(indexers):
+        for layer in layers:
+            indexer = indexers[layer]
             x = torch.from_numpy(np.asarray(store[0, layer])).float()
             target = attention_target(model, layer, x, rows)
             logits = indexer_logits(indexer, x, rows, cos, sin)
             mass, oracle = topk_mass(target, logits, rows, top_k)
             out.append({"layer": layer, "kl": float(kl_loss(target, logits)), "mass": mass, "oracle": oracle})
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _frozen_model_and_tokenizer():
+    """The default model without indexers (each run attaches fresh ones) and its tokenizer, loaded once
+    per process."""
+    from hisparse.models.loader import load_llama, resolve_model_path
+    from hisparse.models.tokenizer import Tokenizer
+
+    return load_llama(None, indexer=False), Tokenizer.from_path(resolve_model_path(None))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-only", action="store_true", help="stop after capturing the layer inputs")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after N epochs (checkpointed; continue with --resume)")
+    p.add_argument("--target", choices=["mean", "max"], default="mean",
+                   help="head reduction of the attention target: DSA's sum (mean) or the per-key max over heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
@@ -193,8 +214,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     """Returns one summary per epoch run by this invocation (train and held-out KL, top-k mass)."""
     from hisparse.data.pydoc_corpus import corpus_tokens
-    from hisparse.models.loader import load_llama, resolve_model_path
-    from hisparse.models.tokenizer import Tokenizer
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -206,8 +225,7 @@ def main(argv=None) -> list[dict]:
         log.write(message + "\n")
         log.flush()
 
-    model = load_llama(None, indexer=False)
-    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    model, tokenizer = _frozen_model_and_tokenizer()
     train_chunks = _chunks(corpus_tokens(tokenizer, "train"), args.seq_len)
     heldout_chunks = _chunks(corpus_tokens(tokenizer, "heldout"), args.seq_len)[:1]
     n_chunks = min(args.max_chunks or len(train_chunks), len(train_chunks))
@@ -257,7 +275,7 @@ def main(argv=None) -> list[dict]:
             for layer in layers:
                 rows = _sample_rows(gen, t, args.queries, args.min_row)
                 x = torch.from_numpy(np.asarray(train_store[chunk, layer])).float()
-                target = attention_target(model, layer, x, rows)
+                target = attention_target(model, layer, x, rows, args.target)
                 loss = kl_loss(target, indexer_logits(indexers[layer], x, rows, cos, sin))
                 loss.backward()
                 chunk_loss += loss.item()
@@ -265,8 +283,7 @@ def main(argv=None) -> list[dict]:
             schedule.step()
             losses.append(chunk_loss / len(layers))
             bar.set_postfix(kl=f"{np.mean(losses[-10:]):.3f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
-        report = evaluate(model, indexers, heldout_store, 256, args.top_k, args.top_k)
-        report = [r for r in report if r["layer"] in layers]
+        report = evaluate(model, indexers, heldout_store, 256, args.top_k, args.top_k, layers)
         ratio = np.mean([r["mass"] / r["oracle"] for r in report])
         mass = np.mean([r["mass"] for r in report])
         say(f"epoch {epoch + 1}: train kl {np.mean(losses):.4f} | held-out kl "
@@ -282,8 +299,16 @@ def main(argv=None) -> list[dict]:
         say(f"stopped after epoch {last_epoch}; continue with --resume")
         return summaries
     export = args.export or args.out / "smollm2_indexer.safetensors"
+    history = []  # every run that shaped these weights, oldest first
+    if args.init is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(args.init), "pt") as f:
+            history = json.loads(f.metadata().get("history", "[]")) or [json.loads(f.metadata()["trained_with"])]
+    trained_with = {k: str(v) for k, v in vars(args).items()}
     save_indexer_weights(export, indexers, config, extra={
-        "trained_with": json.dumps({k: str(v) for k, v in vars(args).items()}, sort_keys=True)})
+        "trained_with": json.dumps(trained_with, sort_keys=True),
+        "history": json.dumps([*history, trained_with], sort_keys=True)})
     say(f"wrote {export} after {time.perf_counter() - started:.0f} s")
     return summaries
 

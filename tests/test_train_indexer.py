@@ -39,13 +39,13 @@ def test_kl_loss_is_kl_divergence():
 
 def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
     common = ["--seq-len", "128", "--max-chunks", "2", "--layers", "2", "--queries", "32", "--min-row", "16",
-              "--top-k", "16", "--epochs", "3", "--threads", "2", "--lr", "1e-2"]
+              "--top-k", "16", "--epochs", "2", "--threads", "2", "--lr", "1e-2"]
     straight = main([*common, "--out", str(tmp_path / "a")])
     assert straight[-1]["train_kl"] < straight[0]["train_kl"]
     first = main([*common, "--out", str(tmp_path / "b"), "--stop-after", "1"])
     assert len(first) == 1 and not (tmp_path / "b" / "smollm2_indexer.safetensors").exists()
     rest = main([*common, "--out", str(tmp_path / "b"), "--resume"])
-    assert [s["epoch"] for s in rest] == [2, 3]
+    assert [s["epoch"] for s in rest] == [2]
     a = load_file(str(tmp_path / "a" / "smollm2_indexer.safetensors"))
     b = load_file(str(tmp_path / "b" / "smollm2_indexer.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
