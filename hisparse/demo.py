@@ -1,8 +1,8 @@
 """`make run`: the default sparse-attention model answers a chat prompt, then serves the same long-context
 workload under the same device KV budget with HiSparse off and on.
 
-    python -m hisparse.demo [--requests 12] [--prompt-tokens 3000] [--output-tokens 32]
-                            [--baseline-requests 4] [--hisparse-config JSON]
+    python -m hisparse.demo [--requests 8] [--prompt-tokens 2000] [--output-tokens 32]
+                            [--baseline-requests 2] [--hisparse-config JSON]
 
 The device budget is set so that the baseline (every token's K/V on the device) fits exactly
 `--baseline-requests` of the requests at once; HiSparse gets the very same budget. It prints how many
@@ -54,10 +54,10 @@ def serve(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, l
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=12)
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--baseline-requests", type=int, default=4)
+    parser.add_argument("--baseline-requests", type=int, default=2)
     parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
     parser.add_argument("--skip-chat", action="store_true")
     args = parser.parse_args(argv)

@@ -97,8 +97,8 @@ def test_page_table_matches_buffer_mid_flight(llama, tokenizer, prompts):
 def test_hisparse_admits_more_requests_under_the_same_budget(llama, tokenizer, prompts):
     prompt = prompts[3]
     per_request_baseline = len(prompt) + PARAMS.max_tokens
-    base = engine(llama, tokenizer, device_kv_budget=BUDGET // 8)
-    hs = hisparse_engine(llama, tokenizer, budget=BUDGET // 8)
+    base = engine(llama, tokenizer, device_kv_budget=BUDGET // 2)
+    hs = hisparse_engine(llama, tokenizer, budget=BUDGET // 2)
     for e in (base, hs):
         for i in range(8):
             e.add_request(prompt[i:], PARAMS)
