@@ -69,17 +69,6 @@ class EngineConfig:
     def resolved_kv_budget(self, weight_bytes: int) -> int:
         """On a GPU, a fraction of what the weights leave free (like --mem-fraction-static); on the CPU,
         where device memory is only a budget, 1 GiB unless the user says otherwise."""
-        if self.swap_in_backend not in ("auto", "cpu", "reference", "triton"):
-            raise ValueError(f"swap_in_backend must be auto, cpu, reference or triton, got {self.swap_in_backend!r}")
-        if self.enable_hisparse:
-            from hisparse.memory.hisparse_config import HiSparseConfig
-
-            self.hisparse_config = HiSparseConfig.parse(self.hisparse_config, self.top_k)
-            self.top_k = self.hisparse_config.top_k
-            if not self.sparse_attention:
-                raise ValueError("enable_hisparse needs sparse_attention: dense decode reads every token")
-        elif self.hisparse_config is not None:
-            raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             return self.device_kv_budget
         if self.device.startswith("cuda"):
