@@ -222,6 +222,13 @@ class HiSparseAttention:
         self.index_slots = torch.stack([torch.nn.functional.pad(
             torch.from_numpy(s.request.kv.index_slots[:s.end]), (0, width - s.end)) for s in self.decode])
         self.rows = torch.tensor([s.request.kv.row for s in self.decode])
+        # Which requests take the fast path and which swap in is fixed for the step: split once, not per layer.
+        self.fast = ~self.swapping
+        self.has_fast, self.has_swapping = bool(self.fast.any()), bool(self.swapping.any())
+        self.fast_rows = self.rows[self.fast].unsqueeze(1)
+        self.swap_rows = self.rows[self.swapping]
+        self.swap_newest = (self.lengths[self.swapping] - 1).unsqueeze(1)
+        self.swap_reserved = self.device_write[self.swapping].unsqueeze(1)
 
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
         if index_q is None:
@@ -251,18 +258,17 @@ class HiSparseAttention:
                                             cache.config.top_k)  # [B, K] ascending, newest included
         valid = selected >= 0
         page = torch.full_like(selected, -1)
-        fast = ~self.swapping
-        if fast.any():  # the buffer holds every token: position p is in hot slot p
+        fast = self.fast
+        if self.has_fast:  # the buffer holds every token: position p is in hot slot p
             pos = selected[fast].clamp(min=0)
-            page[fast] = torch.where(valid[fast], cache.device_rows[self.rows[fast].unsqueeze(1), pos], -1)
+            page[fast] = torch.where(valid[fast], cache.device_rows[self.fast_rows, pos], -1)
             cache.counters.fast_path_lookups += int(valid[fast].sum())
-        if self.swapping.any():
+        if self.has_swapping:
             swap_sel = selected[self.swapping]
-            newest = (self.lengths[self.swapping] - 1).unsqueeze(1)
-            is_newest = swap_sel == newest
+            is_newest = swap_sel == self.swap_newest
             top_k = torch.where(is_newest, -1, swap_sel)
             start = time.perf_counter()
-            result = swap_in(top_k, self.rows[self.swapping], cache.slot_pos[layer], cache.lru[layer],
+            result = swap_in(top_k, self.swap_rows, cache.slot_pos[layer], cache.lru[layer],
                              cache.device_rows, cache.host_rows, cache.host_kv[layer], device_kv,
                              policy=cache.policies[layer], backend=cache.swap_in_backend)
             cache.counters.seconds[layer] += time.perf_counter() - start
@@ -271,8 +277,7 @@ class HiSparseAttention:
             cache.counters.hits[layer] += int((top_k >= 0).sum()) - misses
             cache.counters.evictions[layer] += int(result.evictions.sum())
             cache.counters.bytes_h2d[layer] += misses * device_kv.shape[1] * device_kv.element_size()
-            reserved = self.device_write[self.swapping].unsqueeze(1).expand_as(top_k)
-            page[self.swapping] = torch.where(is_newest, reserved, result.page_table)
+            page[self.swapping] = torch.where(is_newest, self.swap_reserved.expand_as(top_k), result.page_table)
         layout = cache.layout
         ks, vs = split_kv(gather_rows(device_kv, page.clamp(min=0)), layout.num_kv_heads, layout.head_dim)
         return decode_attention(q, ks, vs, page >= 0, cache.scale)
