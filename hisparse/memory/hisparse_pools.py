@@ -1,0 +1,263 @@
+"""The HiSparse memory hierarchy for any kind of token row: host pool, device hot buffers, indexer keys.
+
+A row is what one token caches in one layer, and nothing here looks inside one: for the default model it
+is the K and V of every KV head (`hisparse_cache.HiSparseKVCache`), for the DSA models the packed MLA
+latent, bf16 or the FP8 layout, as uint8 bytes (`hisparse_latent_cache.HiSparseLatentCache`). Swap-in
+copies rows as raw machine words, so both ride the same kernels.
+
+Per request the device holds `device_buffer_size` hot slots per layer plus one reserved slot for the
+newest token (written by the forward pass, never evicted), and the lightning indexer's key for every
+token (it is what lets selection run without the big cache); the host pool holds every row. Each decode
+step, per layer, the model's indexer picks the top-k positions and `page_table` turns them into device
+rows: while a request's length fits its buffer, position p simply lives in slot p (the fast path: no
+swap-in at all); after that `swap_in` brings the missing positions from the host pool into the hot
+buffer, evicting by the configured policy, and the newest position reads the reserved slot.
+
+Sizing follows the reference: one device "cell" = layers x (row_bytes + ratio x indexer_bytes), so the
+budget buys `device_slots` rows and `device_slots x ratio` logical tokens (host rows and indexer keys).
+A request is admitted only when its hot buffer, its host rows and its indexer slots are all free.
+
+Co-located flow: prefill writes the prompt's rows to the host pool and attends over them there (on a GPU
+this is where the reference stages prefill on the device before the backup); before the first decode
+step `load_prompt` fills the hot buffer with the prompt's last tokens, and from then on the request costs
+the device only its hot buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hisparse.kernels.swap_in import swap_in
+from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
+from hisparse.memory.hisparse_config import HiSparseConfig
+from hisparse.memory.indexer_cache import IndexerKeyCache
+from hisparse.memory.slot_allocator import SlotAllocator
+
+
+@dataclass
+class HiSparseAllocation:
+    row: int  # this request's row of the slot tables
+    device_rows: np.ndarray  # device row of each hot slot, then (if it can outgrow them) the reserved one
+    host_rows: np.ndarray  # host row of every position it may hold
+    index_slots: np.ndarray  # indexer-key slot of every position
+    loaded: bool = False  # its prompt's tail has been copied into the hot buffer
+    buffered: bool = False  # its slot tables are live (it has outgrown the fast path)
+
+
+class SwapInCounters:
+    """Per-layer hits, misses, evictions, bytes copied host -> device and swap-in seconds."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.hits = np.zeros(num_layers, dtype=np.int64)
+        self.misses = np.zeros(num_layers, dtype=np.int64)
+        self.evictions = np.zeros(num_layers, dtype=np.int64)
+        self.bytes_h2d = np.zeros(num_layers, dtype=np.int64)
+        self.seconds = np.zeros(num_layers, dtype=np.float64)
+        self.fast_path_lookups = 0  # selections served without swap-in (request still fits its buffer)
+        self.prompt_load_bytes = 0  # prompt tails copied into hot buffers after prefill
+
+    def as_dict(self) -> dict:
+        lookups = int(self.hits.sum() + self.misses.sum())
+        return {
+            "hits": int(self.hits.sum()),
+            "misses": int(self.misses.sum()),
+            "evictions": int(self.evictions.sum()),
+            "bytes_host_to_device": int(self.bytes_h2d.sum()),
+            "swap_in_seconds": float(self.seconds.sum()),
+            "hit_rate": (int(self.hits.sum()) / lookups) if lookups else None,
+            "fast_path_lookups": self.fast_path_lookups,
+            "prompt_load_bytes": self.prompt_load_bytes,
+            "per_layer": {"hits": self.hits.tolist(), "misses": self.misses.tolist(),
+                          "evictions": self.evictions.tolist(), "bytes_host_to_device": self.bytes_h2d.tolist(),
+                          "swap_in_seconds": self.seconds.tolist()},
+        }
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's per-request facts, worked out once and read by every layer: which requests are
+    still on the fast path and which swap in is fixed for the step, so layers do not split the batch."""
+
+    rows: torch.Tensor  # int64 [B]: each request's row of the slot tables
+    lengths: torch.Tensor  # int64 [B]: context length, the newest token included
+    device_write: torch.Tensor  # int64 [B]: device row the newest token's row is written to
+    swapping: torch.Tensor  # bool [B]: the request has outgrown its buffer
+    fast: torch.Tensor = field(init=False)
+    has_fast: bool = field(init=False)
+    has_swapping: bool = field(init=False)
+    fast_rows: torch.Tensor = field(init=False)  # [Bf, 1]
+    swap_rows: torch.Tensor = field(init=False)  # [Bs]
+    swap_newest: torch.Tensor = field(init=False)  # [Bs, 1]: the newest position of each swapping request
+    swap_reserved: torch.Tensor = field(init=False)  # [Bs, 1]: its reserved device row
+
+    def __post_init__(self) -> None:
+        self.fast = ~self.swapping
+        self.has_fast, self.has_swapping = bool(self.fast.any()), bool(self.swapping.any())
+        self.fast_rows = self.rows[self.fast].unsqueeze(1)
+        self.swap_rows = self.rows[self.swapping]
+        self.swap_newest = (self.lengths[self.swapping] - 1).unsqueeze(1)
+        self.swap_reserved = self.device_write[self.swapping].unsqueeze(1)
+
+
+class HiSparsePools:
+    """Device hot buffers, host pool, indexer keys, slot tables, eviction policies and counters.
+
+    Rows are `row_width` elements of `row_dtype` per token per layer; indexer keys are FP8 rows of
+    `index_dim` dims. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
+    """
+
+    def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_dim: int,
+                 config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
+                 device: str = "cpu", swap_in_backend: str = "auto") -> None:
+        self.num_layers = num_layers
+        self.config = config
+        self.device = device
+        self.swap_in_backend = swap_in_backend
+        self.max_context = max_context
+        self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
+        self.index_row_bytes = IndexKeyFormat("fp8", index_dim).row_bytes
+        ratio = config.host_to_device_ratio
+        self.cell_bytes = num_layers * (self.row_bytes + ratio * self.index_row_bytes)
+        self.device_slots = budget_bytes // self.cell_bytes
+        self.logical_capacity = self.device_slots * ratio
+        buffer = config.device_buffer_size
+        if self.device_slots < buffer + 1:
+            raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys {self.device_slots} hot slots, "
+                             f"fewer than one request's buffer ({buffer} + 1); raise the budget")
+        pin = device != "cpu" and torch.cuda.is_available()
+        self.device_kv = torch.zeros(num_layers, self.device_slots, row_width, dtype=row_dtype, device=device)
+        # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and
+        # touching gigabytes of fresh pages would cost seconds at start-up.
+        self.host_kv = torch.empty(num_layers, self.logical_capacity, row_width, dtype=row_dtype, pin_memory=pin)
+        self.index_cache = IndexerKeyCache(num_layers, self.logical_capacity, index_dim, device=device)
+        self.device_allocator = SlotAllocator(self.device_slots)
+        self.host_allocator = SlotAllocator(self.logical_capacity)
+        self.row_allocator = SlotAllocator(max_requests)
+        tables = [new_slot_tables(max_requests, buffer, device) for _ in range(num_layers)]
+        self.slot_pos = torch.stack([t[0] for t in tables])  # [L, R, S]
+        self.lru = torch.stack([t[1] for t in tables])  # [L, R, S]
+        self.device_rows = torch.zeros(max_requests, buffer, dtype=torch.int64, device=device)
+        self.host_rows = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+        self.policies = [get_policy(config.eviction_policy, max_requests, buffer, device) for _ in range(num_layers)]
+        self.counters = SwapInCounters(num_layers)
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def _needs(self, total_tokens: int) -> tuple[int, int]:
+        """(device rows, logical tokens) a request of `total_tokens` takes for its whole life."""
+        buffer = self.config.device_buffer_size
+        return (total_tokens if total_tokens <= buffer else buffer + 1), total_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.logical_capacity
+
+    def can_allocate(self, total_tokens: int) -> bool:
+        device, logical = self._needs(total_tokens)
+        return (device <= self.device_allocator.num_free and logical <= self.host_allocator.num_free
+                and logical <= self.index_cache.allocator.num_free and self.row_allocator.num_free > 0)
+
+    def allocate(self, total_tokens: int) -> HiSparseAllocation:
+        """Everything a request of at most `total_tokens` tokens will hold; check `can_allocate` first."""
+        if total_tokens < 1 or total_tokens > self.max_context:
+            raise ValueError(f"a request must hold between 1 and {self.max_context} tokens (max_context), "
+                             f"got {total_tokens}")
+        device, logical = self._needs(total_tokens)
+        row = int(self.row_allocator.allocate(1)[0])
+        alloc = HiSparseAllocation(row, self.device_allocator.allocate(device), self.host_allocator.allocate(logical),
+                                   self.index_cache.allocator.allocate(logical))
+        hot = alloc.device_rows[:self.config.device_buffer_size]
+        self.device_rows[row, :hot.size] = torch.from_numpy(hot)
+        self.host_rows[row, :logical] = torch.from_numpy(alloc.host_rows)
+        return alloc
+
+    def free(self, alloc: HiSparseAllocation) -> None:
+        self.device_allocator.free(alloc.device_rows)
+        self.host_allocator.free(alloc.host_rows)
+        self.index_cache.allocator.free(alloc.index_slots)
+        for layer in range(self.num_layers):
+            reset_row(self.slot_pos[layer], self.lru[layer], alloc.row, (), self.policies[layer])
+        self.row_allocator.free(np.array([alloc.row]))
+
+    def usage(self) -> dict[str, int]:
+        return {"device_slots_total": self.device_allocator.num_slots,
+                "device_slots_used": self.device_allocator.num_used,
+                "host_slots_total": self.host_allocator.num_slots,
+                "host_slots_used": self.host_allocator.num_used,
+                "indexer_slots_total": self.index_cache.allocator.num_slots,
+                "indexer_slots_used": self.index_cache.allocator.num_used}
+
+    # -- the hot buffer ---------------------------------------------------------------------------
+
+    def load_prompt(self, alloc: HiSparseAllocation, length: int) -> None:
+        """Bring a prompt's last tokens (up to the buffer size) from the host pool into the hot slots, in
+        order, before the first decode step; a prompt longer than the buffer also makes its slot tables
+        live, its oldest loaded position first to go."""
+        first = max(0, length - self.config.device_buffer_size)
+        src = torch.from_numpy(alloc.host_rows[first:length])
+        dst = self.device_rows[alloc.row, :length - first]
+        for layer in range(self.num_layers):
+            self.device_kv[layer].index_copy_(0, dst, self.host_kv[layer].index_select(0, src).to(self.device))
+        self.counters.prompt_load_bytes += (length - first) * self.num_layers * self.row_bytes
+        alloc.loaded = True
+        if first > 0 or length == self.config.device_buffer_size:
+            self.take_over(alloc, length)
+
+    def take_over(self, alloc: HiSparseAllocation, length: int) -> None:
+        """Leave the fast path: slots 0..S-1 hold the last S positions in order, in every layer."""
+        positions = torch.arange(length - self.config.device_buffer_size, length)
+        for layer in range(self.num_layers):
+            reset_row(self.slot_pos[layer], self.lru[layer], alloc.row, positions, self.policies[layer])
+        alloc.buffered = True
+
+    def begin_decode(self, allocs: list[HiSparseAllocation], starts: list[int]) -> DecodeStep:
+        """Prepare one decode step of requests whose newest token sits at position `starts[i]`: load
+        prompts not yet in their hot buffer, take over buffers the step outgrows, and say where each
+        newest row goes (slot p while it fits the buffer, else the reserved slot)."""
+        buffer = self.config.device_buffer_size
+        for alloc, start in zip(allocs, starts, strict=True):
+            if not alloc.loaded:
+                self.load_prompt(alloc, start)
+            elif start >= buffer and not alloc.buffered:
+                self.take_over(alloc, start)
+        return DecodeStep(
+            rows=torch.tensor([a.row for a in allocs]),
+            lengths=torch.tensor([s + 1 for s in starts]),
+            device_write=torch.tensor([int(a.device_rows[s] if s < buffer else a.device_rows[-1])
+                                       for a, s in zip(allocs, starts, strict=True)]),
+            swapping=torch.tensor([s >= buffer for s in starts]),
+        )
+
+    def page_table(self, layer: int, step: DecodeStep, selected: torch.Tensor) -> torch.Tensor:
+        """Device rows [B, K] of the selected positions [B, K] (-1 padding stays -1), swapping missed
+        rows in first; the newest position, when selected, reads its reserved slot."""
+        valid = selected >= 0
+        page = torch.full_like(selected, -1)
+        if step.has_fast:  # the buffer holds every token: position p is in hot slot p
+            fast = step.fast
+            pos = selected[fast].clamp(min=0)
+            page[fast] = torch.where(valid[fast], self.device_rows[step.fast_rows, pos], -1)
+            self.counters.fast_path_lookups += int(valid[fast].sum())
+        if step.has_swapping:
+            swap_sel = selected[step.swapping]
+            is_newest = swap_sel == step.swap_newest
+            top_k = torch.where(is_newest, -1, swap_sel)
+            device_kv = self.device_kv[layer]
+            start = time.perf_counter()
+            result = swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
+                             self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
+                             backend=self.swap_in_backend)
+            counters = self.counters
+            counters.seconds[layer] += time.perf_counter() - start
+            misses = int(result.misses.sum())
+            counters.misses[layer] += misses
+            counters.hits[layer] += int((top_k >= 0).sum()) - misses
+            counters.evictions[layer] += int(result.evictions.sum())
+            counters.bytes_h2d[layer] += misses * self.row_bytes
+            page[step.swapping] = torch.where(is_newest, step.swap_reserved.expand_as(top_k), result.page_table)
+        return page
