@@ -163,7 +163,7 @@ def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps
             width=draw(st.integers(1, num_slots)),
             num_steps=draw(st.integers(1, max_steps)),
             row_width=draw(st.sampled_from([6, 5, 3])),
-            dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+            dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.uint8])),  # uint8: packed DSA latent rows
             pad_anywhere=draw(st.booleans()),
         )
 
