@@ -188,7 +188,8 @@ class LatentCache:
     latent[layer] is a pool of slots of `latent_format.row_bytes`; `page_table[position]` is the slot
     where a token's row is written. index_k[layer] is indexed by position: the indexer must score
     every past token, so its keys stay resident. `locate` is where a memory hierarchy plugs in: it
-    returns the slots holding the requested positions, swapping rows in first if it has to.
+    returns the slots holding the requested positions, swapping rows in first if it has to
+    (`hisparse.memory.hisparse_latent_cache.HiSparseLatentSequence` has this interface over HiSparse).
     """
 
     def __init__(self, num_layers: int, capacity: int, latent_format: LatentFormat,

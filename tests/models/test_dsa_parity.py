@@ -58,10 +58,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def build_checkpoint(name: str, path) -> torch.nn.Module:
+def build_checkpoint(name: str, path, **overrides) -> torch.nn.Module:
+    """Save the tiny `name` checkpoint (config fields in `overrides` replace TINY's) to `path`."""
     config_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
