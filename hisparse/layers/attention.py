@@ -53,7 +53,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     b, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, hq // hkv, d)
-    attn_mask = None if mask is None else mask[:, None, None, :]
+    # An all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an additive
+    # float one on every call.
+    attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                                          scale=scale)
     return out.reshape(b, hq, d)

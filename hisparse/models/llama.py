@@ -2,8 +2,11 @@
 
 The forward pass works on a flat batch of N tokens from any mix of sequences: the engine packs prefill
 chunks and decode tokens together and the attention backend sorts out which token sees which.
-Q/K/V and gate/up projections are fused into single matmuls: on a CPU the decode step is bound by
-reading weights, and fewer, larger matmuls read them once.
+For inference (`prepare_for_inference`) Q/K/V and gate/up projections are fused into single matmuls and
+every weight is stored transposed, [in, out] row-major, and used as `x @ w`: on a CPU, decode is bound by
+reading weights, and BLAS runs that layout up to twice as fast as `F.linear`'s `x @ W.T` at batch 8-32
+(single thread, this machine: gate/up 2.0 -> 0.9 ms at batch 8, lm_head 55 -> 41 ms). The nn.Linear
+parameters stay as views of the same memory, so training and tests still see ordinary modules.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from hisparse.layers.rotary import RotaryEmbedding, apply_rope_half
 from hisparse.models.config import LlamaConfig
 
 
+def transposed_weight(*linears: nn.Linear) -> torch.Tensor:
+    """The linears' weights concatenated on the output axis, stored [in, out]; each linear's weight becomes a
+    (transposed) view into it, so the model holds one copy."""
+    fused = torch.cat([lin.weight.detach() for lin in linears]).t().contiguous()
+    start = 0
+    for lin in linears:
+        width = lin.weight.shape[0]
+        lin.weight.data = fused[:, start:start + width].t()
+        start += width
+    return fused
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -29,17 +44,19 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_t: torch.Tensor | None = None  # [hidden, q + 2 kv], set by prepare_for_inference
+        self.o_t: torch.Tensor | None = None
         self.indexer: nn.Module | None = None  # a lightning indexer, when the model is made sparse
 
-    def fuse(self) -> None:
-        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+    def prepare_for_inference(self) -> None:
+        self.qkv_t = transposed_weight(self.q_proj, self.k_proj, self.v_proj)
+        self.o_t = transposed_weight(self.o_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)
+        if self.qkv_t is not None:
+            qkv = x @ self.qkv_t
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         q_size = self.num_heads * self.head_dim
@@ -53,8 +70,8 @@ class LlamaAttention(nn.Module):
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer(x, cos, sin)
             index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
-        out = backend.attend(self.layer, q, k, v, **index)
-        return self.o_proj(out.reshape(n, q_size))
+        out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
+        return out @ self.o_t if self.o_t is not None else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -63,17 +80,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_t: torch.Tensor | None = None  # [hidden, 2 intermediate], set by prepare_for_inference
+        self.down_t: torch.Tensor | None = None
 
-    def fuse(self) -> None:
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+    def prepare_for_inference(self) -> None:
+        self.gate_up_t = transposed_weight(self.gate_proj, self.up_proj)
+        self.down_t = transposed_weight(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up_t is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_t
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,16 +118,19 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.lm_head_t: torch.Tensor | None = None
 
     @property
     def attention_scale(self) -> float:
         return self.config.head_dim ** -0.5
 
-    def fuse_projections(self) -> None:
-        """Concatenate Q/K/V and gate/up weights for inference (training keeps them apart)."""
+    def prepare_for_inference(self) -> None:
+        """Fused, transposed weights (see the module docstring). The LM head gets its own transposed copy:
+        when tied, the embedding keeps its row-major table for token lookups."""
         for layer in self.layers:
-            layer.attn.fuse()
-            layer.mlp.fuse()
+            layer.attn.prepare_for_inference()
+            layer.mlp.prepare_for_inference()
+        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -121,4 +142,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return hidden @ self.lm_head_t if self.lm_head_t is not None else self.lm_head(hidden)

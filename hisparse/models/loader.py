@@ -102,7 +102,7 @@ def load_llama(model: str | Path | None = None, indexer: bool | str | Path | Non
     if missing:
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
-    net.fuse_projections()
+    net.prepare_for_inference()
     if indexer is not False:
         from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights
 
