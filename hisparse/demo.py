@@ -49,6 +49,7 @@ def serve(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, l
     stats = engine.stats_dict()
     return {"peak_running": stats["peak_running"], "seconds": elapsed,
             "output_tok_s": sum(len(r.output_token_ids) for r in requests) / elapsed,
+            "decode_tok_s": stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9),
             "swap_in": stats.get("swap_in"), "memory": stats["memory"]}
 
 
@@ -93,16 +94,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output_tokens} output tokens; device KV budget {budget / 2**20:.0f} MiB for both")
     results = {label: serve(e, prompts, params, label)
                for label, e in (("baseline", baseline_engine), ("hisparse", hisparse_engine))}
-    print(f"\n{'mode':<10}{'max concurrent':>16}{'output tok/s':>14}{'seconds':>9}{'hit rate':>10}")
+    print(f"\n{'mode':<10}{'max concurrent':>16}{'decode tok/s':>14}{'output tok/s':>14}{'seconds':>9}{'hit rate':>10}")
     for label, r in results.items():
         hit = r["swap_in"]["hit_rate"] if r["swap_in"] else None
-        print(f"{label:<10}{r['peak_running']:>16}{r['output_tok_s']:>14.2f}{r['seconds']:>9.1f}"
-              f"{'-' if hit is None else f'{hit:.1%}':>10}")
+        print(f"{label:<10}{r['peak_running']:>16}{r['decode_tok_s']:>14.2f}{r['output_tok_s']:>14.2f}"
+              f"{r['seconds']:>9.1f}{'-' if hit is None else f'{hit:.1%}':>10}")
+    print("(decode tok/s: tokens of the steps that only decoded, over their time; output tok/s: all output tokens "
+          "over the whole run, prefill included)")
     s = results["hisparse"]["swap_in"]
     print(f"\nhisparse swap-in: {s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions, "
           f"{s['bytes_host_to_device'] / 2**20:.1f} MiB host->device in {s['swap_in_seconds']:.2f} s")
     b, h = results["baseline"], results["hisparse"]
     print(f"hisparse vs baseline: {h['peak_running'] / b['peak_running']:.1f}x concurrent requests, "
+          f"{h['decode_tok_s'] / b['decode_tok_s']:.2f}x decode throughput, "
           f"{h['output_tok_s'] / b['output_tok_s']:.2f}x output throughput")
     return 0
 
