@@ -20,15 +20,14 @@ KV pool; each rank keeps its own host pool. This module imports no torch, so it 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 
+from hisparse.memory.hisparse_config import HiSparseConfig
+
 GIB = 1 << 30
 FP8_BLOCK = 128
-HISPARSE_FIELDS = ("top_k", "device_buffer_size", "host_to_device_ratio")
-DEFAULT_RATIO = 8
 
 
 class PlanError(ValueError):
@@ -173,45 +172,6 @@ MODELS = {
         first_k_dense_replace=3,
     ),
 }
-
-
-@dataclass(frozen=True)
-class HiSparseConfig:
-    top_k: int
-    device_buffer_size: int
-    host_to_device_ratio: int
-
-    @classmethod
-    def parse(cls, text: str | None, model_top_k: int) -> HiSparseConfig:
-        """The reference's --hisparse-config JSON; absent fields take the defaults (top_k and
-        device_buffer_size 2 x top_k from the model's index_topk, which wins at run time; ratio 8).
-        Errors name the field."""
-        raw: dict = {}
-        if text:
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise PlanError(
-                    f"--hisparse-config is not valid JSON ({e.msg} at column {e.colno})"
-                ) from None
-            if not isinstance(raw, dict):
-                raise PlanError("--hisparse-config must be a JSON object")
-        unknown = sorted(set(raw) - set(HISPARSE_FIELDS))
-        if unknown:
-            raise PlanError(
-                f"--hisparse-config: unknown field {unknown[0]!r} (known: {', '.join(HISPARSE_FIELDS)})"
-            )
-        for key, value in raw.items():
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise PlanError(f"--hisparse-config: {key} must be an integer, got {json.dumps(value)}")
-            if value < 1:
-                raise PlanError(f"--hisparse-config: {key} must be positive, got {value}")
-        top_k = raw.get("top_k", model_top_k)
-        return cls(
-            top_k=top_k,
-            device_buffer_size=raw.get("device_buffer_size", 2 * model_top_k),
-            host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_RATIO),
-        )
 
 
 @dataclass(frozen=True)
@@ -449,7 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shape = MODELS[args.model]
     try:
-        hisparse = HiSparseConfig.parse(args.hisparse_config, shape.index_topk)
+        try:
+            hisparse = HiSparseConfig.parse(args.hisparse_config, shape.index_topk)
+        except ValueError as e:
+            raise PlanError(f"--hisparse-config: {e}") from None
         plan = plan_capacity(
             shape,
             hisparse,

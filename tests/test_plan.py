@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from hisparse.plan import GIB, MODELS, HiSparseConfig, PlanError, main, plan_capacity
+from hisparse.memory.hisparse_config import HiSparseConfig
+from hisparse.plan import GIB, MODELS, main, plan_capacity
 
 GLM_ARGS = ["--model", "glm-5.1", "--gpu-memory-gb", "141", "--tp", "8", "--input-len", "32768",
             "--output-len", "8192"]
@@ -73,18 +74,19 @@ def test_derived_fp8_weights_are_the_size_of_the_released_checkpoints():
         assert low < sum(MODELS[model].weight_bytes()) < high, model
 
 
-def test_hisparse_config_defaults_and_type_errors():
+def test_hisparse_config_defaults_and_type_errors(capsys):
+    """The planner reads --hisparse-config with the engine's own parser: same defaults, same errors."""
     assert HiSparseConfig.parse(None, 2048) == HiSparseConfig(2048, 4096, 8)
     assert HiSparseConfig.parse('{"host_to_device_ratio": 4}', 2048) == HiSparseConfig(2048, 4096, 4)
     for text, field in (('{"top_k": true}', "top_k"),
                         ('{"device_buffer_size": 4096.0}', "device_buffer_size"),
                         ('{"host_to_device_ratio": 0}', "host_to_device_ratio")):
-        with pytest.raises(PlanError, match=field):
-            HiSparseConfig.parse(text, 2048)
+        assert main([*GLM_ARGS, "--hisparse-config", text]) == 2
+        assert field in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--hisparse-config", '{"top_k": 2048, "device_buffer_size": 1024}'], "smaller than top_k"),
+    (["--hisparse-config", '{"top_k": 2048, "device_buffer_size": 1024}'], "must be >= top_k"),
     (["--hisparse-config", '{"top_k": 2048, "buffer": 4096}'], "unknown field 'buffer'"),
     (["--hisparse-config", '{"top_k": "2048"}'], "top_k must be an integer"),
     (["--hisparse-config", "{top_k: 2048}"], "not valid JSON"),
