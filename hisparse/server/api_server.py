@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -263,6 +264,37 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         finally:
             on_close(stream)()  # a handler that ends early for any reason frees the request's memory
 
+    async def respond(stream: RequestStream, raw: Request, streaming: bool, include_usage: bool, opening: list[str],
+                      pieces: Callable[[str, str | None], list[str]], usage_chunk: Callable[[int], BaseModel],
+                      whole: Callable[[str, int, str], BaseModel]) -> Response:
+        """Stream the request's output as server-sent events ending in [DONE], or collect it into one JSON
+        body. The two endpoints differ only in how they wrap the pieces: `opening` events, the events of
+        one piece of text and/or the finish reason, the usage chunk and the whole answer."""
+        if streaming:
+            async def events() -> AsyncIterator[str]:
+                for event in opening:
+                    yield event
+                while True:
+                    event = await stream.get()
+                    if isinstance(event, Failed):
+                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
+                        break
+                    assert isinstance(event, Delta)
+                    for piece in pieces(event.text, event.finish_reason):
+                        yield piece
+                    if event.finish_reason is not None:
+                        if include_usage:
+                            yield _sse(usage_chunk(event.completion_tokens).model_dump_json())
+                        break
+                yield _sse("[DONE]")
+
+            return _AbortOnCloseResponse(events(), on_close(stream))
+        try:
+            text, completion_tokens, finish_reason = await collect(stream, raw)
+        except _ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(whole(text, completion_tokens, finish_reason).model_dump())
+
     # -- routes ---------------------------------------------------------------------------------------
 
     @app.get("/health")
@@ -304,33 +336,14 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                                          choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
             return _sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                while True:
-                    event = await stream.get()
-                    if isinstance(event, Failed):
-                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
-                        break
-                    assert isinstance(event, Delta)
-                    if event.text or event.finish_reason is not None:
-                        yield chunk(event.text, event.finish_reason)
-                    if event.finish_reason is not None:
-                        if include_usage:
-                            usage = CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                       usage=Usage.of(prompt_tokens, event.completion_tokens))
-                            yield _sse(usage.model_dump_json())
-                        break
-                yield _sse("[DONE]")
-
-            return _AbortOnCloseResponse(events(), on_close(stream))
-        try:
-            text, completion_tokens, finish_reason = await collect(stream, raw)
-        except _ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(CompletionResponse(
-            id=request_id, created=created, model=model_name,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-            usage=Usage.of(prompt_tokens, completion_tokens)).model_dump())
+        return await respond(
+            stream, raw, body.stream, include_usage, [],
+            lambda text, finish: [chunk(text, finish)] if text or finish is not None else [],
+            lambda tokens: CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
+                                              usage=Usage.of(prompt_tokens, tokens)),
+            lambda text, tokens, finish: CompletionResponse(
+                id=request_id, created=created, model=model_name,
+                choices=[CompletionChoice(text=text, finish_reason=finish)], usage=Usage.of(prompt_tokens, tokens)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -359,34 +372,17 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
             return _sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                yield chunk(ChatDelta(role="assistant", content=""), None)
-                while True:
-                    event = await stream.get()
-                    if isinstance(event, Failed):
-                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
-                        break
-                    assert isinstance(event, Delta)
-                    if event.text:
-                        yield chunk(ChatDelta(content=event.text), None)
-                    if event.finish_reason is not None:
-                        yield chunk(ChatDelta(), event.finish_reason)
-                        if include_usage:
-                            usage = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                                        usage=Usage.of(prompt_tokens, event.completion_tokens))
-                            yield _sse(usage.model_dump_json())
-                        break
-                yield _sse("[DONE]")
+        def pieces(text: str, finish: str | None) -> list[str]:
+            return ([chunk(ChatDelta(content=text), None)] if text else []) + (
+                [chunk(ChatDelta(), finish)] if finish is not None else [])
 
-            return _AbortOnCloseResponse(events(), on_close(stream))
-        try:
-            text, completion_tokens, finish_reason = await collect(stream, raw)
-        except _ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(ChatCompletionResponse(
-            id=request_id, created=created, model=model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
-            usage=Usage.of(prompt_tokens, completion_tokens)).model_dump())
+        return await respond(
+            stream, raw, body.stream, include_usage, [chunk(ChatDelta(role="assistant", content=""), None)], pieces,
+            lambda tokens: ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
+                                               usage=Usage.of(prompt_tokens, tokens)),
+            lambda text, tokens, finish: ChatCompletionResponse(
+                id=request_id, created=created, model=model_name,
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)],
+                usage=Usage.of(prompt_tokens, tokens)))
 
     return app
