@@ -1,6 +1,6 @@
 """Decode throughput of our engine against Hugging Face `generate`, same model, same workload, one run.
 
-    python -m hisparse.bench.engine_vs_hf [--batch-sizes 1 8 32] [--new-tokens 64] [--repeats 3]
+    python -m hisparse.bench.engine_vs_hf [--batch-sizes 1 8 32] [--new-tokens 64] [--repeats 3] [--threads N]
 
 Each batch size decodes the same prompts greedily for a fixed number of new tokens in both engines,
 alternating between them so that both see the same machine load; figures are medians of the repeats.
@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both (default: torch's); 1 gives steadier ratios on a busy machine")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
