@@ -1,0 +1,284 @@
+"""Serving benchmark: the real server, HiSparse off and on under the same device KV budget, driven over HTTP
+with streaming OpenAI completions at a sweep of concurrencies.
+
+    python -m hisparse.bench_serving [--concurrency 1,4,16] [--prompt-tokens 1536] [--output-tokens 192]
+                                     [--rounds 1] [--baseline-admits 4] [--device-kv-budget SIZE]
+                                     [--hisparse-config JSON] [--out-dir bench_results/serving]
+
+The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
+requests (prompt + output tokens) with every token's K/V and indexer key on the device, which is what the
+baseline needs; HiSparse gets the very same budget and keeps only a hot buffer per request there. The
+default HiSparse config is sized for that budget: a 352-slot hot buffer (top_k 256 plus slack) and a host
+pool 5x the device's let it admit 16 of the default 1728-token requests where the baseline admits 4. The
+reference's 2 x top_k buffer and 8x pool would admit 10: every device slot also pays for `ratio` indexer
+keys (68 B per layer each, against 1536 B of float32 K/V), and 512 slots per request is 30% of a request.
+
+Both servers start at once (loading overlaps; an idle server costs the other nothing) and the modes take
+turns level by level, alternating which goes first, so slow phases of a shared machine hit both alike.
+Each level sends `rounds x concurrency` requests of held-out Python-docs text with at most `concurrency`
+in flight; every request generates exactly `--output-tokens` tokens.
+
+Reported per mode and level: output throughput (generated tokens / wall time of the level), TTFT and ITL
+(median, p99), the most requests the server actually ran at once (its /metrics gauge, polled), and the
+hit rate over the level (/metrics hit and miss counters). Written to --out-dir: results.json, results.md,
+throughput.png, latency.png, and each server's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from hisparse.bench.serving_client import LevelRun, run_level
+from hisparse.bench.serving_server import ServerProcess, wait_ready
+
+MODES = ("baseline", "hisparse")
+PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
+WARMUP_TOKENS = 4
+HITS, MISSES = "hisparse_swap_in_hits_total", "hisparse_swap_in_misses_total"
+DEFAULT_HISPARSE_CONFIG = '{"top_k": 256, "device_buffer_size": 352, "host_to_device_ratio": 5}'
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
+    return levels
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    from hisparse.server.args import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m hisparse.bench_serving", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency("1,4,16"),
+                    help="comma-separated levels (default 1,4,16)")
+    ap.add_argument("--prompt-tokens", type=_positive_int, default=1536)
+    ap.add_argument("--output-tokens", type=_positive_int, default=192)
+    ap.add_argument("--rounds", type=_positive_int, default=1, help="requests per level = rounds x concurrency")
+    ap.add_argument("--baseline-admits", type=_positive_int, default=4,
+                    help="size the default device budget so that the baseline holds this many requests at once")
+    ap.add_argument("--device-kv-budget", type=_size, default=None,
+                    help="bytes or e.g. 320MiB; overrides --baseline-admits")
+    ap.add_argument("--hisparse-config", default=DEFAULT_HISPARSE_CONFIG,
+                    help="JSON for the HiSparse server; its top_k is given to both servers")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench_results/serving"))
+    return ap
+
+
+# -- sizing -------------------------------------------------------------------------------------------
+
+
+def default_model_shape(reader) -> tuple[int, int, int, int]:
+    """(layers, K+V values per token per layer, indexer key dim, context length) of the default model, read
+    from its GGUF header and the shipped indexer's metadata without loading any weights."""
+    from safetensors import safe_open
+
+    from hisparse.layers.indexer import SHIPPED_WEIGHTS, IndexerConfig
+    from hisparse.models.gguf_loader import read_config
+
+    config = read_config(reader)
+    if not SHIPPED_WEIGHTS.exists():
+        raise FileNotFoundError(f"the default model's indexer weights are missing ({SHIPPED_WEIGHTS}); "
+                                "run `python -m hisparse.train_indexer`")
+    with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
+        index_dim = IndexerConfig.from_json(f.metadata()["indexer_config"]).head_dim
+    return config.num_layers, config.kv_row_size, index_dim, config.max_position_embeddings
+
+
+def baseline_bytes_per_token(layers: int, kv_row_size: int, index_dim: int) -> int:
+    """What one token costs the baseline on the device, as the server sizes it (PagedKVCache.from_budget):
+    float32 K and V in every layer plus the FP8 indexer key (index_dim e4m3 bytes and a float32 scale)."""
+    return layers * (kv_row_size * 4 + index_dim + 4)
+
+
+def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int, max_running: int) -> int:
+    """How many requests of `request_tokens` the server's reported pools hold at once, by the rule its cache
+    admits with: the whole request on the device for the baseline; for HiSparse a hot buffer (plus the
+    newest token's slot) on the device and the whole request in the host pool and the indexer-key cache."""
+    device = int(pools.get("hisparse_kv_slots_total[device]", 0))
+    if mode == "baseline":
+        return min(device // request_tokens, max_running)
+    hot = request_tokens if request_tokens <= buffer else buffer + 1
+    host = int(pools.get("hisparse_kv_slots_total[host]", 0))
+    index = int(pools.get("hisparse_kv_slots_total[indexer]", host))
+    return min(device // hot, host // request_tokens, index // request_tokens, max_running)
+
+
+def prompts_from(stream: list[int], count: int, length: int, first: int = 0) -> list[list[int]]:
+    """`count` windows of real text, PROMPT_STRIDE tokens apart; the stream repeats if it is too short."""
+    while len(stream) < PROMPT_STRIDE * (first + count) + length:
+        stream = stream + stream
+    return [stream[PROMPT_STRIDE * i:PROMPT_STRIDE * i + length] for i in range(first, first + count)]
+
+
+# -- one level ----------------------------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(mode: str, concurrency: int, run: LevelRun, before: dict, after: dict) -> dict:
+    ok = [r for r in run.results if r.error is None]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itl]
+    tokens = sum(r.output_tokens for r in ok)
+    hits = misses = hit_rate = None
+    if HITS in after:
+        hits, misses = int(after[HITS] - before.get(HITS, 0)), int(after[MISSES] - before.get(MISSES, 0))
+        hit_rate = hits / (hits + misses) if hits + misses else None
+    return {
+        "mode": mode, "concurrency": concurrency, "requests": len(run.results), "failed": len(run.results) - len(ok),
+        "errors": sorted({r.error for r in run.results if r.error})[:3],
+        "seconds": run.seconds, "output_tokens": tokens, "output_tok_s": tokens / run.seconds,
+        "ttft_median_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+        "itl_median_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99),
+        "e2e_median_s": _percentile([r.latency for r in ok], 50),
+        "max_running": run.max_running, "hits": hits, "misses": misses, "hit_rate": hit_rate,
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> int:
+    print(f"python -m hisparse.bench_serving: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hisparse.memory.hisparse_config import HiSparseConfig
+
+    try:
+        config = HiSparseConfig.parse(args.hisparse_config)
+    except ValueError as error:
+        return _fail(f"--hisparse-config: {error}")
+    import gguf
+
+    from hisparse.models.default_model import default_model_path
+
+    try:
+        reader = gguf.GGUFReader(str(default_model_path()))  # seconds: it indexes the whole vocabulary
+        layers, kv_row_size, index_dim, max_context = default_model_shape(reader)
+    except (FileNotFoundError, ValueError) as error:
+        return _fail(str(error))
+    request_tokens = args.prompt_tokens + args.output_tokens
+    if request_tokens > max_context:
+        return _fail(f"--prompt-tokens + --output-tokens = {request_tokens} exceeds the model's context "
+                     f"({max_context} tokens)")
+    per_token = baseline_bytes_per_token(layers, kv_row_size, index_dim)
+    budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
+    levels = args.concurrency
+    max_running = max(levels)
+    common = ["--device-kv-budget", str(budget), "--max-running-requests", str(max_running),
+              "--max-queued-requests", str(max(256, max_running * args.rounds)), "--top-k", str(config.top_k)]
+    flags = {"baseline": common,
+             "hisparse": [*common, "--enable-hisparse", "--hisparse-config",
+                          json.dumps(dataclasses.asdict(config))]}
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    servers = {mode: ServerProcess(mode, flags[mode], out_dir / f"server-{mode}.log") for mode in MODES}
+
+    print(f"workload: {args.rounds} x concurrency requests per level at concurrency {', '.join(map(str, levels))}; "
+          f"{args.prompt_tokens} prompt tokens (held-out Python docs) + {args.output_tokens} output tokens each")
+    print(f"device KV budget {budget / 2**20:.1f} MiB for both modes "
+          f"({per_token} B per token without HiSparse); HiSparse config {json.dumps(dataclasses.asdict(config))}")
+    if args.prompt_tokens <= config.device_buffer_size:
+        print(f"note: prompts fit the {config.device_buffer_size}-slot hot buffer, so HiSparse rarely swaps in")
+    started = time.time()
+    load_before = os.getloadavg()
+    try:
+        for server in servers.values():  # both load at once; an idle server costs the other nothing
+            server.start()
+        from hisparse.data.pydoc_corpus import corpus_tokens
+        from hisparse.models.tokenizer import Tokenizer
+
+        stream = corpus_tokens(Tokenizer.from_gguf(reader), "heldout")
+        wait_ready(list(servers.values()))
+        model = servers["baseline"].model_name()
+        capacity = {mode: admits(mode, servers[mode].metrics(), request_tokens, config.device_buffer_size,
+                                 max_running) for mode in MODES}
+        print(f"admitted at once: baseline {capacity['baseline']}, HiSparse {capacity['hisparse']} "
+              f"({capacity['hisparse'] / max(capacity['baseline'], 1):.1f}x)")
+        if args.device_kv_budget is None and capacity["baseline"] != args.baseline_admits:
+            print(f"warning: the baseline server admits {capacity['baseline']}, not {args.baseline_admits}: its "
+                  f"per-token cost is not the {per_token} bytes computed here; pass --device-kv-budget")
+        if capacity["baseline"] < 1:
+            return _fail(f"the device budget ({budget} bytes) does not hold one request of {request_tokens} tokens")
+        warmup = prompts_from(stream, 1, min(args.prompt_tokens, config.device_buffer_size + 64))
+        for server in servers.values():  # first-use costs (JIT caches, allocator) stay out of the figures
+            run = run_level(server.base_url, model, warmup, WARMUP_TOKENS, 1)
+            if run.results[0].error:
+                return _fail(f"warm-up request to the {server.label} server failed: {run.results[0].error}")
+
+        rows: list[dict] = []
+        total = 2 * sum(args.rounds * c for c in levels) * args.output_tokens
+        with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
+            for i, concurrency in enumerate(levels):
+                prompts = prompts_from(stream, args.rounds * concurrency, args.prompt_tokens)
+                for mode in MODES if i % 2 == 0 else MODES[::-1]:  # neither mode always runs first
+                    server = servers[mode]
+                    bar.set_description(f"{mode} c={concurrency}")
+                    before = server.metrics()
+                    run = run_level(server.base_url, model, prompts, args.output_tokens, concurrency, bar.update)
+                    row = summarize(mode, concurrency, run, before, server.metrics())
+                    rows.append(row)
+                    bar.write(f"{mode:>8} c={concurrency:<3} {row['output_tok_s']:7.2f} tok/s  max running "
+                              f"{row['max_running']}" + (f"  FAILED {row['failed']}: {row['errors'][0]}"
+                                                          if row["failed"] else ""))
+    except RuntimeError as error:
+        return _fail(str(error))
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    from hisparse.bench.serving_plot import plot_latency, plot_throughput
+    from hisparse.bench.serving_report import markdown_report, ratios
+
+    report = {
+        "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+                     "rounds": args.rounds, "concurrency": levels, "text": "held-out Python docs"},
+        "device_kv_budget_bytes": budget, "baseline_bytes_per_token": per_token,
+        "hisparse_config": dataclasses.asdict(config), "admitted_at_once": capacity,
+        "server_flags": flags, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "seconds": time.time() - started, "load_average_before": load_before,
+        "load_average_after": os.getloadavg(), "results": rows, "hisparse_vs_baseline": ratios(rows),
+    }
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    markdown = markdown_report(report)
+    (out_dir / "results.md").write_text(markdown)
+    plot_throughput(rows, capacity, out_dir / "throughput.png")
+    plot_latency(rows, out_dir / "latency.png")
+    print("\n" + markdown)
+    print(f"written to {out_dir}/: results.json, results.md, throughput.png, latency.png, server-*.log")
+    return 1 if any(row["failed"] for row in rows) else 0

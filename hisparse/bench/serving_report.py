@@ -1,0 +1,60 @@
+"""The serving benchmark's Markdown report: one row per mode and concurrency, HiSparse's throughput ratio
+over the baseline at each level, and the workload that produced them (so a table pasted elsewhere still
+says what it measured)."""
+
+from __future__ import annotations
+
+
+def ratios(rows: list[dict]) -> dict[int, float | None]:
+    """concurrency -> HiSparse output throughput / baseline output throughput."""
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    out = {}
+    for (mode, concurrency), row in sorted(by.items()):
+        base = by.get(("baseline", concurrency))
+        if mode == "hisparse" and base is not None:
+            out[concurrency] = row["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
+    return out
+
+
+def _pair(a: float | None, b: float | None, scale: float, digits: int) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a * scale:.{digits}f} / {b * scale:.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    ratio = ratios(rows)
+    lines = ["| concurrency | mode | max running | output tok/s | vs baseline | TTFT median / p99 (s) "
+             "| ITL median / p99 (ms) | hit rate | failed |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in sorted(rows, key=lambda r: (r["concurrency"], r["mode"])):
+        c = row["concurrency"]
+        vs = f"{ratio[c]:.2f}x" if row["mode"] == "hisparse" and ratio.get(c) is not None else ""
+        hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.1%}"
+        lines.append(f"| {c} | {row['mode']} | {row['max_running']} | {row['output_tok_s']:.2f} | {vs} "
+                     f"| {_pair(row['ttft_median_s'], row['ttft_p99_s'], 1, 2)} "
+                     f"| {_pair(row['itl_median_s'], row['itl_p99_s'], 1000, 0)} | {hit} | {row['failed']} |")
+    return "\n".join(lines)
+
+
+def markdown_report(report: dict) -> str:
+    w = report["workload"]
+    admitted = report["admitted_at_once"]
+    ratio = report["hisparse_vs_baseline"]
+    load = " / ".join(f"{x:.1f}" for x in report["load_average_before"])
+    return "\n".join([
+        "# Serving benchmark: HiSparse off vs on, same device KV budget",
+        "",
+        f"- workload: {w['rounds']} x concurrency streamed completions per level, {w['prompt_tokens']} prompt "
+        f"tokens ({w['text']}) + {w['output_tokens']} output tokens each (ignore_eos)",
+        f"- device KV budget: {report['device_kv_budget_bytes'] / 2**20:.1f} MiB for both; admitted at once: "
+        f"baseline {admitted['baseline']}, HiSparse {admitted['hisparse']}",
+        f"- HiSparse config: `{report['hisparse_config']}`",
+        f"- started {report['started']}, took {report['seconds']:.0f} s; load average before: {load}",
+        "",
+        table(report["results"]),
+        "",
+        "HiSparse / baseline output throughput: "
+        + ", ".join(f"c={c}: {'-' if r is None else f'{r:.2f}x'}" for c, r in ratio.items()),
+        "",
+    ])
