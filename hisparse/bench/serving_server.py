@@ -7,6 +7,7 @@ reported with its own last lines instead of a bare timeout.
 
 from __future__ import annotations
 
+import shlex
 import socket
 import subprocess
 import sys
@@ -52,7 +53,7 @@ class ServerProcess:
                    "--log-level", "warning", *self.flags]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            log.write(f"$ {' '.join(command)}\n".encode())
+            log.write(f"$ {shlex.join(command)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
