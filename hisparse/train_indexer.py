@@ -12,10 +12,12 @@ past, I the indexer scores. All 30 layers train from the same forward passes:
    gradient step from the same chunk.
 
 Data: the Python documentation shipped with the standard library (`hisparse.data.pydoc_corpus`), the
-held-out topics never used. Progress bar, a checkpoint after every epoch (`--resume` continues from it;
-the seed fixes the initialisation, the chunk order and the query rows of every epoch, so a resumed run
-is the same run), a held-out recall line after every epoch, and the final weights as bf16 safetensors
-(`--export`, default `<out>/smollm2_indexer.safetensors`).
+held-out topics never used; with `--retrieval-chunks N`, also N passkey-style sequences built from the
+training text (`hisparse.data.retrieval_sequences`), whose answer rows are always among the query rows
+(repeated so that they weigh about a quarter of that chunk's loss). Progress bar, a checkpoint after
+every epoch (`--resume` continues from it; the seed fixes the initialisation, the chunk order and the
+query rows of every epoch, so a resumed run is the same run), a held-out recall line after every
+epoch, and the final weights as bf16 safetensors (`--export`, default `<out>/smollm2_indexer.safetensors`).
 """
 
 from __future__ import annotations
@@ -132,6 +134,15 @@ def _sample_rows(generator: torch.Generator, length: int, n: int, min_row: int) 
     return torch.randperm(length - min_row, generator=generator)[:n].sort().values + min_row
 
 
+def _retrieval_rows(generator: torch.Generator, length: int, n: int, min_row: int, answer_rows: int) -> torch.Tensor:
+    """The rows whose next token is copied from the needle (the last `answer_rows` + 1 positions but the
+    last), repeated to about a quarter of `n`, plus random rows for the rest."""
+    forced = torch.arange(length - 1 - answer_rows, length - 1)
+    repeats = max(1, n // (4 * answer_rows))
+    rest = _sample_rows(generator, length, max(n - repeats * answer_rows, 0), min_row)
+    return torch.cat([rest, forced.repeat(repeats)]).sort().values
+
+
 def _chunks(tokens: list[int], seq_len: int) -> list[torch.Tensor]:
     return [torch.tensor(tokens[i:i + seq_len]) for i in range(0, len(tokens) - seq_len + 1, seq_len)]
 
@@ -206,6 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="end this invocation after N epochs (checkpointed; continue with --resume)")
     p.add_argument("--target", choices=["mean", "max"], default="mean",
                    help="head reduction of the attention target: DSA's sum (mean) or the per-key max over heads")
+    p.add_argument("--retrieval-chunks", type=int, default=0,
+                   help="extra passkey-style training sequences built from the training text (see above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
@@ -232,6 +245,16 @@ def main(argv=None) -> list[dict]:
     say(f"train: {n_chunks} of {len(train_chunks)} chunks of {args.seq_len} tokens; held-out eval: 1 chunk")
     started = time.perf_counter()
     train_store = capture_to_memmap(model, train_chunks, args.out, f"train_{args.seq_len}", n_chunks)
+    retrieval_store, answer_rows = None, []
+    if args.retrieval_chunks:
+        from hisparse.data.retrieval_sequences import retrieval_sequence
+
+        rng = np.random.default_rng(args.seed + 7919)
+        filler = corpus_tokens(tokenizer, "train")
+        made = [retrieval_sequence(tokenizer, filler, args.seq_len, rng) for _ in range(args.retrieval_chunks)]
+        answer_rows = [n for _, n in made]
+        retrieval_store = capture_to_memmap(model, [torch.tensor(ids) for ids, _ in made], args.out,
+                                            f"retrieval_{args.seq_len}_seed{args.seed}", len(made))
     heldout_store = capture_to_memmap(model, heldout_chunks, args.out, f"heldout_{args.seq_len}", 1)
     say(f"capture: {time.perf_counter() - started:.0f} s")
     if args.capture_only:
@@ -246,7 +269,8 @@ def main(argv=None) -> list[dict]:
     layers = list(range(len(indexers))) if args.layers is None else [int(v) for v in args.layers.split(",")]
     params = [p for i in layers for p in indexers[i].parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
-    total_steps = args.epochs * n_chunks
+    n_items = n_chunks + args.retrieval_chunks  # text chunks first, then retrieval sequences
+    total_steps = args.epochs * n_items
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     first_epoch = 0
@@ -265,7 +289,7 @@ def main(argv=None) -> list[dict]:
     summaries = []
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, first_epoch + args.stop_after)
     for epoch in range(first_epoch, last_epoch):
-        order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        order = torch.randperm(n_items, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         bar = tqdm(order.tolist(), desc=f"epoch {epoch + 1}/{args.epochs}")
         losses = []
         for chunk in bar:
@@ -273,8 +297,13 @@ def main(argv=None) -> list[dict]:
             optimizer.zero_grad(set_to_none=True)
             chunk_loss = 0.0
             for layer in layers:
-                rows = _sample_rows(gen, t, args.queries, args.min_row)
-                x = torch.from_numpy(np.asarray(train_store[chunk, layer])).float()
+                if chunk < n_chunks:
+                    rows = _sample_rows(gen, t, args.queries, args.min_row)
+                    x = torch.from_numpy(np.asarray(train_store[chunk, layer])).float()
+                else:
+                    item = chunk - n_chunks
+                    rows = _retrieval_rows(gen, t, args.queries, args.min_row, answer_rows[item])
+                    x = torch.from_numpy(np.asarray(retrieval_store[item, layer])).float()
                 target = attention_target(model, layer, x, rows, args.target)
                 loss = kl_loss(target, indexer_logits(indexers[layer], x, rows, cos, sin))
                 loss.backward()

@@ -49,3 +49,18 @@ def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
     a = load_file(str(tmp_path / "a" / "smollm2_indexer.safetensors"))
     b = load_file(str(tmp_path / "b" / "smollm2_indexer.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_retrieval_sequence_ends_with_the_answer_copied_from_its_needle(tokenizer):
+    import numpy as np
+
+    from hisparse.data.pydoc_corpus import corpus_tokens
+    from hisparse.data.retrieval_sequences import retrieval_sequence
+    from hisparse.train_indexer import _retrieval_rows
+
+    ids, answer_rows = retrieval_sequence(tokenizer, corpus_tokens(tokenizer, "train"), 512, np.random.default_rng(3))
+    assert len(ids) == 512
+    key = tokenizer.decode(ids[-answer_rows:]).strip(" .")
+    assert key.isdigit() and len(key) == 5 and tokenizer.decode(ids[:-answer_rows]).count(key) == 2
+    rows = _retrieval_rows(torch.Generator().manual_seed(0), 512, 64, 16, answer_rows)
+    assert len(rows) == 64 and set(range(511 - answer_rows, 511)) <= set(rows.tolist())
