@@ -55,14 +55,45 @@ class IndexerKeyCache:
         slots[b, p] holds position p's key for p < lengths[b] (the rest is ignored). The newest position
         (lengths[b] - 1) is always selected; a request with lengths[b] <= top_k gets every position.
         """
+        return self._select(self._past_scores(layer, index_q, index_w, slots, lengths), top_k)
+
+    def select_with_next(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor,
+                         lengths: torch.Tensor, top_k: int, num_next: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select`'s top-k, and the `num_next` positions ranked just below it: int64 [B, num_next], the
+        best first, padded with -1 (they are what the next step will most likely select).
+
+        The top-k is computed exactly as `select` computes it, so a caller that also wants the next ranks
+        selects the same tokens (ties included) as one that does not; the next ranks are a second top-k
+        over the positions left out.
+        """
+        scores = self._past_scores(layer, index_q, index_w, slots, lengths)
+        selected = self._select(scores, top_k)
+        b, width = scores.shape
+        out = torch.full((b, num_next), -1, dtype=torch.int64, device=scores.device)
+        n = min(num_next, width)
+        if n == 0:
+            return selected, out
+        # Padding (-1) masks position 0, which is then selected anyway: a row is padded only when it
+        # selects every position it has.
+        rest = scores.scatter(1, selected.clamp(min=0), float("-inf"))
+        values, ranked = rest.topk(n, dim=-1, sorted=True)
+        out[:, :n] = ranked.masked_fill(values == float("-inf"), -1)
+        return selected, out
+
+    def _past_scores(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
+        """Scores [B, width]: -inf beyond each request's length, +inf at its newest position."""
         b, width = slots.shape
-        k = min(top_k, width)
         scores = self.scores(layer, index_q, index_w, slots)
         positions = torch.arange(width, device=slots.device)
         past = positions[None, :] < lengths[:, None]
         scores = scores.masked_fill(~past, float("-inf"))
         scores[torch.arange(b, device=slots.device), lengths - 1] = _NEWEST
-        values, picked = scores.topk(k, dim=-1, sorted=False)
+        return scores
+
+    @staticmethod
+    def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        width = scores.shape[1]
+        values, picked = scores.topk(min(top_k, width), dim=-1, sorted=False)
         picked = picked.masked_fill(values == float("-inf"), width)  # padding sorts last...
         picked = picked.sort(dim=-1).values
         return picked.masked_fill_(picked == width, -1)  # ...and reads as -1

@@ -75,3 +75,34 @@ def test_selection_works_in_positions_not_slots():
     q[0, 0, 0] = 1.0
     picked = cache.select(0, q, torch.ones(1, 1), slots, torch.tensor([5]), top_k=2)
     assert picked.tolist() == [[2, 4]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), top_k=st.integers(1, 24),
+       num_next=st.integers(0, 30), seed=st.integers(0, 2**16))
+def test_select_with_next_ranks_the_runners_up_and_selects_exactly_as_select(lengths, top_k, num_next, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, width = len(lengths), max(lengths)
+    cache = IndexerKeyCache(1, 200, D)
+    slots = torch.stack([torch.from_numpy(cache.allocator.allocate(width)) for _ in range(b)])
+    for row in range(b):
+        cache.write(0, slots[row], torch.randn(width, D, generator=g))
+    q = torch.randn(b, 2, D, generator=g)
+    w = torch.randn(b, 2, generator=g)
+    lengths_t = torch.tensor(lengths)
+    picked, following = cache.select_with_next(0, q, w, slots, lengths_t, top_k, num_next)
+    assert torch.equal(picked, cache.select(0, q, w, slots, lengths_t, top_k))
+    assert following.shape == (b, num_next) and following.dtype == torch.int64
+    for row, length in enumerate(lengths):
+        chosen = {p for p in picked[row].tolist() if p >= 0}
+        ranked = [p for p in following[row].tolist() if p >= 0]
+        assert following[row].tolist()[len(ranked):] == [-1] * (num_next - len(ranked)), "padding last"
+        assert len(ranked) == min(num_next, length - len(chosen))
+        assert not chosen & set(ranked) and len(set(ranked)) == len(ranked)
+        assert all(0 <= p < length for p in ranked)
+        scores = brute_force_scores(cache, 0, q[row], w[row], slots[row], length)
+        tol = 1e-4 * (1 + scores.abs().max())
+        assert all(scores[x] >= scores[y] - tol for x, y in zip(ranked, ranked[1:], strict=False)), "best first"
+        rest = [p for p in range(length) if p not in chosen and p not in ranked]
+        if ranked and rest:
+            assert scores[ranked].min() >= scores[rest].max() - tol
