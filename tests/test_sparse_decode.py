@@ -126,9 +126,17 @@ def test_engine_records_topk_traces(llama, tokenizer, tmp_path):
         for step, seq_len in enumerate(trace.seq_lens):
             picked = trace.selected(layer, step)
             assert len(picked) == 64 and picked[-1] == seq_len - 1 and (np.diff(picked) > 0).all()
+            # the runners-up: 4 x top_k by default, here all the other positions (36 or more), then padding
+            following = trace.next_ranked[layer][step]
+            assert following.shape == (4 * 64,) and following.dtype == np.int32
+            ranked = following[following >= 0]
+            assert len(ranked) == seq_len - 64 and (following[len(ranked):] == -1).all()
+            assert sorted(set(ranked.tolist()) | set(picked.tolist())) == list(range(seq_len))
     again = tmp_path / "again.npz"
     save_topk_trace(again, trace_from_request(request, engine.cache.sparse))
-    assert all((a == b).all() for a, b in zip(load_topk_trace(again).layers, trace.layers, strict=True))
+    loaded = load_topk_trace(again)
+    assert all((a == b).all() for a, b in zip(loaded.layers, trace.layers, strict=True))
+    assert all((a == b).all() for a, b in zip(loaded.next_ranked, trace.next_ranked, strict=True))
 
 
 @pytest.fixture(scope="module")

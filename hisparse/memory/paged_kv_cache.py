@@ -55,6 +55,11 @@ class SparseDecode:
     enabled: bool = True
     top_k: int = 256
     dense_layers: tuple[int, ...] = ()
+    trace_next_ranks: int | None = None  # runners-up a recorded step keeps; None: 4 x top_k (what score_lru reads)
+
+    @property
+    def recorded_next_ranks(self) -> int:
+        return 4 * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks
 
     def sparse_in(self, layer: int) -> bool:
         return self.enabled and layer not in self.dense_layers
@@ -126,11 +131,13 @@ class PagedAttention:
                 self.decode_index_slots = torch.stack([
                     F.pad(s.request.kv.index_slots[:s.end], (0, width - s.end)) for s in self.decode])
             # Requests that record their top-k get one entry per decode step: the context length and,
-            # filled layer by layer, the positions selected (hisparse.engine.topk_trace reads these).
+            # filled layer by layer, the positions selected and those ranked next (hisparse.engine.topk_trace
+            # reads these).
             self.trace_steps = {}
             for b, span in enumerate(self.decode):
                 if span.request.record_topk and cache.index_cache is not None:
-                    step = {"seq_len": span.end, "layers": [None] * cache.layout.num_layers}
+                    step = {"seq_len": span.end, "layers": [None] * cache.layout.num_layers,
+                            "next": [None] * cache.layout.num_layers}
                     if span.request.topk_trace is None:
                         span.request.topk_trace = []
                     span.request.topk_trace.append(step)
@@ -154,11 +161,15 @@ class PagedAttention:
             rows, mask = self.decode_rows, self.decode_mask
             sparse = has_index and cache.sparse.sparse_in(layer)
             if sparse or (has_index and self.trace_steps):
-                selected = cache.index_cache.select(layer, index_q[self.decode_offsets],
-                                                    index_w[self.decode_offsets], self.decode_index_slots,
-                                                    self.decode_lengths, cache.sparse.top_k)
+                args = (layer, index_q[self.decode_offsets], index_w[self.decode_offsets], self.decode_index_slots,
+                        self.decode_lengths, cache.sparse.top_k)
+                if self.trace_steps:
+                    selected, following = cache.index_cache.select_with_next(*args, cache.sparse.recorded_next_ranks)
+                else:
+                    selected = cache.index_cache.select(*args)
                 for b, step in self.trace_steps.items():
                     step["layers"][layer] = selected[b].to(torch.int32).numpy()
+                    step["next"][layer] = following[b].to(torch.int32).numpy()
                 if sparse:
                     rows = rows.gather(1, selected.clamp(min=0))
                     mask = selected >= 0
