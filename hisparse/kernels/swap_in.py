@@ -4,6 +4,8 @@ One call handles one layer for the whole decode batch. Per request it classifies
 positions as hits (already in a hot slot) or misses, lets the eviction policy pick a victim slot for
 each miss among the slots not selected this step, updates the slot table and the eviction order in
 place, copies each missed row host -> device, and returns the page table that sparse attention reads.
+A policy that reads the indexer's next-ranked positions (`score_lru`) gets them as `next_ranked`; they
+are never loaded.
 
 Three implementations share the signature below: `swap_in_reference` (plain Python/PyTorch, the
 definition), `swap_in_cpu` (numba, parallel over requests and over misses) and `swap_in_triton` (one
@@ -21,8 +23,8 @@ import torch
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 BACKENDS = ("reference", "cpu", "triton", "auto")
-TRITON_POLICIES = ("lru", "fifo")
-CPU_POLICIES = ("lru", "fifo", "clock")  # the others (lrfu) run on the reference under "auto"
+TRITON_POLICIES = ("lru", "fifo", "score_lru")
+CPU_POLICIES = ("lru", "fifo", "clock", "score_lru")  # any other runs on the reference under "auto"
 
 
 @dataclass
@@ -34,8 +36,8 @@ class SwapInResult:
 
 def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
             device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-            device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
-            backend: str = "auto") -> SwapInResult:
+            device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru", backend: str = "auto",
+            next_ranked: torch.Tensor | None = None) -> SwapInResult:
     """Swap in one layer's selected tokens for the whole batch; see the module docstring.
 
     top_k [B, K] int64 (-1 padding), rows [B] int64, slot_pos [R, S] int32 and lru [R, S] int32
@@ -43,15 +45,18 @@ def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru
     [D, W] (written in place). `policy` is a name ("lru", "fifo") or a policy object (needed for
     stateful ones: `get_policy("clock", num_rows=R, num_slots=S)`, one per layer). `backend`:
     "reference", "cpu", "triton", or "auto" (triton on CUDA tensors when it supports the policy, the
-    reference otherwise; cpu on CPU tensors).
+    reference otherwise; cpu on CPU tensors). `next_ranked` [B, M] int64 (-1 padding): the positions the
+    indexer ranked just below each request's top_k, the best first (None: no ranks, M = 0).
     """
     policy = resolve_policy(policy)
-    check_swap_in_args(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
+    if next_ranked is None:
+        next_ranked = torch.empty((top_k.shape[0], 0), dtype=torch.int64, device=top_k.device)
+    check_swap_in_args(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv, next_ranked)
     backend = resolve_backend(backend, policy, top_k.device)
     if backend != "cpu":  # the cpu path checks values inside its kernel: a few torch ops cost more
-        check_swap_in_values(top_k, rows, slot_pos.shape, host_rows.shape[1])
+        check_swap_in_values(top_k, rows, slot_pos.shape, host_rows.shape[1], next_ranked)
     return _implementation(backend)(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
-                                    policy=policy)
+                                    policy=policy, next_ranked=next_ranked)
 
 
 def resolve_backend(backend: str, policy: EvictionPolicy, device: torch.device) -> str:
@@ -88,9 +93,10 @@ def _implementation(backend: str) -> Callable[..., SwapInResult]:
 
 def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                        device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                       device_kv: torch.Tensor) -> None:
+                       device_kv: torch.Tensor, next_ranked: torch.Tensor) -> None:
     """Types and shapes: what would make a kernel misread its arguments. Cheap: no data is read."""
     _expect(top_k, "top_k", torch.int64, 2)
+    _expect(next_ranked, "next_ranked", torch.int64, 2)
     _expect(rows, "rows", torch.int64, 1)
     _expect(slot_pos, "slot_pos", torch.int32, 2)
     _expect(lru, "lru", torch.int32, 2)
@@ -104,11 +110,13 @@ def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.
         raise ValueError(f"host_rows has {host_rows.shape[0]} rows, slot_pos {num_rows}")
     if rows.shape[0] != top_k.shape[0]:
         raise ValueError(f"rows has {rows.shape[0]} entries for a batch of {top_k.shape[0]}")
+    if next_ranked.shape[0] != top_k.shape[0]:
+        raise ValueError(f"next_ranked has {next_ranked.shape[0]} rows for a batch of {top_k.shape[0]}")
     if host_kv.dim() != 2 or device_kv.dim() != 2 or host_kv.shape[1] != device_kv.shape[1]:
         raise ValueError(f"host_kv and device_kv must be [rows, W] with one W, got {tuple(host_kv.shape)} "
                          f"and {tuple(device_kv.shape)}")
     device = top_k.device
-    if any(t.device != device for t in (rows, slot_pos, lru, device_rows, host_rows, device_kv)) or (
+    if any(t.device != device for t in (rows, slot_pos, lru, device_rows, host_rows, device_kv, next_ranked)) or (
         host_kv.device not in (device, torch.device("cpu"))
     ):
         raise ValueError(f"all swap-in tensors must be on {device} (host_kv may be in host memory)")
@@ -119,14 +127,18 @@ def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.
 
 
 # Why a swap-in's values are invalid, as codes a kernel can return before it changes anything.
-TOO_MANY_SELECTED, POSITION_OUT_OF_RANGE, ROW_OUT_OF_RANGE, ROW_TWICE = 1, 2, 3, 4
+TOO_MANY_SELECTED, POSITION_OUT_OF_RANGE, ROW_OUT_OF_RANGE, ROW_TWICE, NEXT_RANKED_OUT_OF_RANGE = 1, 2, 3, 4, 5
 
 
 def check_swap_in_values(top_k: torch.Tensor, rows: torch.Tensor, table_shape: tuple[int, int],
-                         context: int) -> None:
+                         context: int, next_ranked: torch.Tensor) -> None:
     """The value checks, with torch reductions: selections fit the buffer, indices are in range."""
     if top_k.numel() == 0:
         return
+    if next_ranked.numel():
+        for value in (int(next_ranked.min()), int(next_ranked.max())):
+            if value < -1 or value >= context:
+                raise_value_error(NEXT_RANKED_OUT_OF_RANGE, value, table_shape, context)
     num_rows, num_slots = table_shape
     most = int((top_k >= 0).sum(dim=1).max())
     if most > num_slots:
@@ -149,6 +161,8 @@ def raise_value_error(code: int, detail: int, table_shape: tuple[int, int], cont
         raise ValueError(f"top_k positions must be -1 or in [0, {context}), got {detail}")
     if code == ROW_OUT_OF_RANGE:
         raise ValueError(f"rows must be in [0, {num_rows}), got {detail}")
+    if code == NEXT_RANKED_OUT_OF_RANGE:
+        raise ValueError(f"next_ranked positions must be -1 or in [0, {context}), got {detail}")
     raise ValueError("two batch entries use the same row of the state tables")
 
 

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from hisparse.kernels.swap_in import (
+    NEXT_RANKED_OUT_OF_RANGE,
     POSITION_OUT_OF_RANGE,
     ROW_OUT_OF_RANGE,
     ROW_TWICE,
@@ -38,19 +39,21 @@ from hisparse.kernels.swap_in import (
 )
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
-POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2}
-_LRU, _FIFO, _CLOCK = 0, 1, 2
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
+_LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
 _HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash; odd, so it permutes the low bits
 # Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
 # workers, milliseconds on a loaded machine), so small steps run on the calling thread.
 PARALLEL_MIN_SELECTED = 4096  # batch x top_k
 PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
-_NO_STATE = torch.zeros((1, 1), dtype=torch.int8)  # stands for `referenced` when the policy has none
+_NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have
+_NO_AGE = torch.zeros((1, 1), dtype=torch.int32)
 
 
 def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                 device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru") -> SwapInResult:
+                device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
+                next_ranked: torch.Tensor | None = None) -> SwapInResult:
     policy = resolve_policy(policy)
     if policy.name not in POLICY_CODES:
         raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
@@ -60,13 +63,18 @@ def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor,
     evictions = torch.empty(batch, dtype=torch.int32)
     if batch == 0:
         return SwapInResult(page_table, misses, evictions)
-    referenced = policy.state.get("referenced")
-    if referenced is None:
-        referenced = _NO_STATE
+    referenced = policy.state.get("referenced", _NO_REFERENCED)
+    age = policy.state.get("age", _NO_AGE)
+    if next_ranked is None:
+        next_ranked = torch.empty((batch, 0), dtype=torch.int64)
+    # score_lru's constants (the other policies ignore them)
+    ages = (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
+            getattr(policy, "AGE_LIMIT", 0))
     plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
     error, detail, src, dst = plan(
         top_k.numpy(), rows.numpy(), slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
-        referenced.numpy(), POLICY_CODES[policy.name], page_table.numpy(), misses.numpy(), evictions.numpy(),
+        referenced.numpy(), age.numpy(), next_ranked.numpy(), ages, POLICY_CODES[policy.name],
+        page_table.numpy(), misses.numpy(), evictions.numpy(),
     )
     if error:
         raise_value_error(error, detail, slot_pos.shape, host_rows.shape[1])
@@ -99,24 +107,33 @@ def _slot_of(keys: np.ndarray, cols: np.ndarray, position: int) -> int:
 
 
 @njit(cache=True)
-def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, policy,
-              page_table, miss_src, miss_dst):
-    """One request's bookkeeping; returns (misses, evictions). Scratch is allocated here, per call."""
-    width = top_k.shape[1]
-    num_slots = slot_pos.shape[1]
+def _hash_set(positions, b):
+    """Open-addressing set of row b's positions (-1 padding skipped): (keys, columns); first column wins."""
+    width = positions.shape[1]
     size = 16
     while size < 2 * width:
         size *= 2
     keys = np.full(size, -1, np.int64)
     cols = np.empty(size, np.int32)
     for j in range(width):
-        p = top_k[b, j]
+        p = positions[b, j]
         if p >= 0:
             h = (p * _HASH_MULTIPLIER) & (size - 1)
-            while keys[h] != -1:
+            while keys[h] != -1 and keys[h] != p:
                 h = (h + 1) & (size - 1)
-            keys[h] = p
-            cols[h] = j
+            if keys[h] == -1:
+                keys[h] = p
+                cols[h] = j
+    return keys, cols
+
+
+@njit(cache=True)
+def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, ages, policy,
+              page_table, miss_src, miss_dst):
+    """One request's bookkeeping; returns (misses, evictions). Scratch is allocated here, per call."""
+    width = top_k.shape[1]
+    num_slots = slot_pos.shape[1]
+    keys, cols = _hash_set(top_k, b)
 
     # Walk the order: hits keep their slot, everything else is evictable, oldest first.
     col_slot = np.full(width, -1, np.int32)
@@ -139,6 +156,26 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, po
         else:
             evictable[n_evictable] = s
             n_evictable += 1
+
+    # score_lru: age every slot a step, let next-ranked positions look younger, take the oldest evictables.
+    victims = evictable
+    touch, load_steps, limit = ages
+    new_age = np.empty(num_slots if policy == _SCORE_LRU else 0, np.int64)
+    if policy == _SCORE_LRU:
+        for s in range(num_slots):
+            new_age[s] = min(np.int64(age[r, s]) + width, limit)
+        if next_ranked.shape[1] > 0:
+            rank_keys, rank_cols = _hash_set(next_ranked, b)
+            for s in range(num_slots):
+                p = slot_pos[r, s]
+                if p >= 0 and pinned[s] == 0:
+                    j = _slot_of(rank_keys, rank_cols, p)
+                    if j >= 0:
+                        new_age[s] = min(new_age[s], touch * (j + 1))
+        older_first = np.empty(n_evictable, np.int64)
+        for i in range(n_evictable):
+            older_first[i] = -new_age[evictable[i]]
+        victims = evictable[:n_evictable][np.argsort(older_first, kind="mergesort")]
 
     # The i-th miss (column order) takes the policy's i-th victim.
     n_miss = 0
@@ -163,7 +200,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, po
                     break
                 referenced[r, s] = 1
             else:
-                s = evictable[n_miss]
+                s = victims[n_miss]
             pinned[s] = 2
             if slot_pos[r, s] >= 0:
                 n_evict += 1
@@ -195,6 +232,30 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, po
         for i in range(n_miss):
             lru[r, k] = evictable[i]
             k += 1
+    elif policy == _SCORE_LRU:
+        # LRU's new order (untouched evictables, loaded, hits), stably sorted by descending new age.
+        base = np.empty(num_slots, np.int32)
+        k = 0
+        for i in range(n_evictable):
+            if pinned[evictable[i]] == 0:
+                base[k] = evictable[i]
+                k += 1
+        for i in range(n_miss):
+            base[k] = victims[i]
+            new_age[victims[i]] = min(load_steps * width, limit)
+            k += 1
+        for i in range(n_hits):
+            base[k] = hits[i]
+            new_age[hits[i]] = 0
+            k += 1
+        older_first = np.empty(num_slots, np.int64)
+        for i in range(num_slots):
+            older_first[i] = -new_age[base[i]]
+        ranked = np.argsort(older_first, kind="mergesort")
+        for i in range(num_slots):
+            lru[r, i] = base[ranked[i]]
+        for s in range(num_slots):
+            age[r, s] = new_age[s]
     elif hand != 0:
         old = lru[r].copy()
         for i in range(num_slots):
@@ -203,8 +264,13 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, po
 
 
 @njit(cache=True)
-def _check_values(top_k, rows, num_rows, num_slots, context):
+def _check_values(top_k, rows, num_rows, num_slots, context, next_ranked):
     """(error code, detail) as swap_in.raise_value_error reads them; (0, 0) when valid. Runs first."""
+    for b in range(next_ranked.shape[0]):
+        for j in range(next_ranked.shape[1]):
+            p = next_ranked[b, j]
+            if p < -1 or p >= context:
+                return NEXT_RANKED_OUT_OF_RANGE, p
     seen = np.zeros(num_rows, np.uint8)
     for b in range(top_k.shape[0]):
         r = rows[b]
@@ -242,16 +308,17 @@ def _flatten_misses(miss_src, miss_dst, misses):
 
 
 @njit(cache=True)
-def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
-                       page_table, misses, evictions):
+def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, ages,
+                       policy, page_table, misses, evictions):
     """Check, plan every request, and list the copies: (error, detail, src rows, dst rows)."""
-    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1])
+    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
+                                  next_ranked)
     miss_src = np.empty(top_k.shape, np.int64)
     miss_dst = np.empty(top_k.shape, np.int64)
     if error == 0:
         for b in range(top_k.shape[0]):
-            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
-                                        policy, page_table, miss_src, miss_dst)
+            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
+                                        next_ranked, ages, policy, page_table, miss_src, miss_dst)
             misses[b] = n_miss
             evictions[b] = n_evict
     else:
@@ -261,16 +328,17 @@ def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, refer
 
 
 @njit(parallel=True, cache=True)
-def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, policy,
-                         page_table, misses, evictions):
+def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
+                         ages, policy, page_table, misses, evictions):
     """_plan_batch_serial with one request per iteration of a parallel loop."""
-    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1])
+    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
+                                  next_ranked)
     miss_src = np.empty(top_k.shape, np.int64)
     miss_dst = np.empty(top_k.shape, np.int64)
     if error == 0:
         for b in prange(top_k.shape[0]):
-            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
-                                        policy, page_table, miss_src, miss_dst)
+            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
+                                        next_ranked, ages, policy, page_table, miss_src, miss_dst)
             misses[b] = n_miss
             evictions[b] = n_evict
     else:

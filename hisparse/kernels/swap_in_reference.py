@@ -10,7 +10,8 @@ from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 def swap_in_reference(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                       device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                      device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru") -> SwapInResult:
+                      device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
+                      next_ranked: torch.Tensor | None = None) -> SwapInResult:
     policy = resolve_policy(policy)
     batch, width = top_k.shape
     page_table = torch.full((batch, width), -1, dtype=torch.int64, device=top_k.device)
@@ -23,7 +24,8 @@ def swap_in_reference(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.T
         selected = top_k[b].tolist()
         old_pos = slot_pos[r].tolist()
         state = {key: tensor[r].tolist() for key, tensor in policy.state.items()}
-        plan = policy.plan_row(selected, old_pos, lru[r].tolist(), state)
+        ranked = next_ranked[b].tolist() if next_ranked is not None else []
+        plan = policy.plan_row(selected, old_pos, lru[r].tolist(), state, ranked)
 
         victims = torch.tensor(plan.victims, dtype=torch.int64, device=slot_pos.device)
         loaded = torch.tensor([selected[j] for j in plan.miss_columns], dtype=torch.int64,

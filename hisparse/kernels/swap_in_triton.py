@@ -9,8 +9,12 @@ flags, exclusive prefix sums (ranks of evictables, hits and misses) and scatters
 barriers where a phase reads what another lane wrote. The program then copies its own missed rows,
 one row at a time in vectors of raw words (any dtype, bfloat16 included).
 
-Policies: lru and fifo (clock's sequential hand sweep does not map onto a block; use the cpu or the
-reference backend). On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
+Policies: lru, fifo and score_lru (clock's sequential hand sweep does not map onto a block; use the cpu
+or the reference backend). score_lru's two stable sorts by age (victims among the evictables, then the
+new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 | index`: the index makes
+every key distinct, so the sort is stable and its low bits say where each entry came from. Its next-ranked
+positions are found with the same sparse set as the selected ones; a position listed twice keeps its best
+rank (`atomic_min`). On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                    device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                   device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru") -> SwapInResult:
+                   device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
+                   next_ranked: torch.Tensor | None = None) -> SwapInResult:
     policy = resolve_policy(policy)
     if policy.name not in TRITON_POLICIES:
         raise ValueError(f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, "
@@ -39,6 +44,13 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     evictions = torch.empty(batch, dtype=torch.int32, device=device)
     if batch == 0:
         return SwapInResult(page_table, misses, evictions)
+    score_lru = policy.name == "score_lru"
+    if score_lru and num_slots >= _INDEX_LIMIT:
+        raise ValueError(f"the triton score_lru swap-in packs slot indices in 20 bits; {num_slots} slots is too many")
+    if next_ranked is None or not score_lru:
+        next_ranked = torch.empty((batch, 0), dtype=torch.int64, device=device)
+    num_next = next_ranked.shape[1]
+    age = policy.state["age"] if score_lru else torch.zeros((1, 1), dtype=torch.int32, device=device)
     block_s = triton.next_power_of_2(num_slots)
     block_k = triton.next_power_of_2(max(width, 1))
     host_words = _as_words(host_kv)
@@ -49,14 +61,25 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     by_rank = torch.empty((batch, block_s), dtype=torch.int32, device=device)
     miss_src = torch.empty((batch, block_k), dtype=torch.int64, device=device)
     miss_dst = torch.empty((batch, block_k), dtype=torch.int64, device=device)
+    # score_lru's scratch: each slot's best next rank, its aged age, and each entry's place after a sort
+    touch = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
+    aged = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
+    placed = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
     _swap_in_kernel[(batch,)](
         top_k, rows, slot_pos, lru, device_rows, host_rows, host_words, device_words,
         page_table, misses, evictions, lookup, hit_flags, by_rank, miss_src, miss_dst,
-        width, num_slots, context, words,
-        FIFO=policy.name == "fifo", BLOCK_K=block_k, BLOCK_S=block_s,
-        BLOCK_W=min(triton.next_power_of_2(words), 1024),
+        next_ranked, age, touch, aged, placed,
+        width, num_slots, context, words, num_next,
+        getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
+        getattr(policy, "AGE_LIMIT", 0),
+        FIFO=policy.name == "fifo", SCORE_LRU=score_lru, BLOCK_K=block_k, BLOCK_S=block_s,
+        BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )
     return SwapInResult(page_table, misses, evictions)
+
+
+_INDEX_BITS = 20
+_INDEX_LIMIT = 1 << _INDEX_BITS
 
 
 def _as_words(kv: torch.Tensor) -> torch.Tensor:
@@ -72,9 +95,10 @@ def _as_words(kv: torch.Tensor) -> torch.Tensor:
 def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr, host_rows_ptr,
                     host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
-                    K, S, C, WORDS,
-                    FIFO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_W: tl.constexpr):
+                    next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
+                    K, S, C, WORDS, M, TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT,
+                    FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b)
     slots = tl.arange(0, BLOCK_S)
@@ -107,7 +131,37 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     ev_rank = tl.cumsum(ev_i, 0) - ev_i
     hit_rank = tl.cumsum(hit_i, 0) - hit_i
     n_ev = tl.sum(ev_i, 0)
-    tl.store(by_rank_ptr + b * BLOCK_S + ev_rank, order, mask=ev_i != 0)
+    if SCORE_LRU:
+        # Age every slot a step; a next-ranked position looks as young as its rank says.
+        tl.store(touch_ptr + b * BLOCK_S + slots, tl.full([BLOCK_S], 2147483647, dtype=tl.int32))
+        tl.debug_barrier()
+        ncols = tl.arange(0, BLOCK_M)
+        nxt = tl.load(next_ptr + b * M + ncols, mask=ncols < M, other=-1)
+        n_ok = nxt >= 0
+        n_cand = tl.load(lookup_ptr + b * C + nxt, mask=n_ok, other=-1)
+        n_ok = n_ok & (n_cand >= 0) & (n_cand < S)
+        n_pos = tl.load(slot_pos_ptr + r * S + n_cand, mask=n_ok, other=-1)
+        n_ok = n_ok & (n_pos == nxt)
+        tl.atomic_min(touch_ptr + b * BLOCK_S + n_cand, (ncols + 1).to(tl.int32), mask=n_ok)
+        tl.debug_barrier()
+        old_age = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
+        age_s = tl.minimum(old_age.to(tl.int64) + K, AGE_LIMIT)
+        rank_s = tl.load(touch_ptr + b * BLOCK_S + slots)
+        age_s = tl.where(rank_s < 2147483647, tl.minimum(age_s, rank_s.to(tl.int64) * TOUCH_AGE_PER_RANK), age_s)
+        tl.store(aged_ptr + b * BLOCK_S + slots, age_s.to(tl.int32), mask=in_s)
+        tl.debug_barrier()
+        # Evictables by descending age, ties in order: one sort of keys that carry the order index.
+        age_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
+        big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
+        key = tl.where(ev_i != 0, ((AGE_LIMIT - age_o) << 20) | slots.to(tl.int64), big)
+        key = tl.sort(key, 0)
+        from_index = (key & 1048575).to(tl.int32)  # the order index of the entry sorted to this place
+        sorted_ok = slots < n_ev
+        tl.store(by_rank_ptr + b * BLOCK_S + slots, tl.load(lru_ptr + r * S + from_index, mask=sorted_ok, other=0),
+                 mask=sorted_ok)
+        tl.store(placed_ptr + b * BLOCK_S + from_index, slots, mask=sorted_ok)
+    else:
+        tl.store(by_rank_ptr + b * BLOCK_S + ev_rank, order, mask=ev_i != 0)
     tl.debug_barrier()
 
     # The i-th miss (column order) takes the i-th evictable.
@@ -130,14 +184,31 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
 
     # The new order (every lane loaded `order` before the last barrier).
     ev = ev_i != 0
-    if FIFO:
+    if SCORE_LRU:
+        # LRU's new order (untouched evictables, loaded in miss order, hits), stably sorted by new age.
+        tl.debug_barrier()  # every lane has read its victim from by_rank, which now takes the base order
+        victim_rank = tl.load(placed_ptr + b * BLOCK_S + slots, mask=ev, other=0)
+        victim_o = ev & (victim_rank < n_miss)
+        kept_i = (ev & (victim_rank >= n_miss)).to(tl.int32)
+        base_index = tl.where(victim_o, n_ev - n_miss + victim_rank,
+                              tl.where(ev, tl.cumsum(kept_i, 0) - kept_i, n_ev + hit_rank))
+        new_age = tl.where(ev, tl.where(victim_o, tl.minimum(LOAD_AGE_STEPS * K, AGE_LIMIT), age_o), 0)
+        tl.store(age_ptr + r * S + order, new_age.to(tl.int32), mask=in_s)
+        tl.store(by_rank_ptr + b * BLOCK_S + base_index, order, mask=in_s)
+        key = tl.where(in_s, ((AGE_LIMIT - new_age) << 20) | base_index.to(tl.int64), big)
+        key = tl.sort(key, 0)
+        tl.debug_barrier()
+        new_slot = tl.load(by_rank_ptr + b * BLOCK_S + (key & 1048575).to(tl.int32), mask=in_s, other=0)
+        tl.store(lru_ptr + r * S + slots, new_slot, mask=in_s)
+    elif FIFO:
         loaded = ev & (ev_rank < n_miss)
         keep_i = (in_s & (loaded == 0)).to(tl.int32)
         new_index = tl.where(loaded, S - n_miss + ev_rank, tl.cumsum(keep_i, 0) - keep_i)
+        tl.store(lru_ptr + r * S + new_index, order, mask=in_s)
     else:
         new_index = tl.where(ev, tl.where(ev_rank >= n_miss, ev_rank - n_miss, n_ev - n_miss + ev_rank),
                              n_ev + hit_rank)
-    tl.store(lru_ptr + r * S + new_index, order, mask=in_s)
+        tl.store(lru_ptr + r * S + new_index, order, mask=in_s)
     tl.debug_barrier()
 
     # Copy this request's missed rows.

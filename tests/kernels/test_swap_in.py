@@ -2,7 +2,8 @@
 
 Traces are random decode runs: each request's context grows by one token per step and its top-k
 keeps part of the previous step's selection (locality), so steps mix hits, misses into empty slots
-and evictions.
+and evictions. Each step also carries next-ranked positions (what score_lru reads): mostly positions
+the buffer may hold, some selected ones, a few repeats and -1 padding anywhere.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ class Case:
     steps: list[torch.Tensor]  # top_k per step
     num_rows: int
     num_slots: int
+    next_steps: list[torch.Tensor]  # next_ranked per step
 
     def clone(self) -> Case:
         return Case(self.rows, self.slot_pos.clone(), self.lru.clone(), self.device_rows, self.host_rows,
-                    self.host_kv, self.device_kv.clone(), self.steps, self.num_rows, self.num_slots)
+                    self.host_kv, self.device_kv.clone(), self.steps, self.num_rows, self.num_slots,
+                    self.next_steps)
 
 
 def make_case(seed: int, batch: int, num_slots: int, width: int, num_steps: int, row_width: int = 6,
@@ -70,9 +73,14 @@ def make_case(seed: int, batch: int, num_slots: int, width: int, num_steps: int,
     held = slot_pos >= 0  # the buffer already holds these tokens' rows, as after prefill
     device_kv[device_rows[held]] = host_kv[host_rows.gather(1, slot_pos.clamp(min=0).long())[held]]
 
-    steps = []
+    steps, next_steps = [], []
     previous = [np.array([], dtype=np.int64) for _ in range(batch)]
+    num_next = int(rng.integers(0, 2 * num_slots + 1))
     for _ in range(num_steps):
+        following = rng.integers(0, int(seq_lens.max()) - 1, size=(batch, num_next))
+        following = np.minimum(following, seq_lens[:, None] - 2)  # older than each request's newest token
+        following[rng.random(following.shape) < 0.2] = -1
+        next_steps.append(torch.from_numpy(following).long())
         top_k = torch.full((batch, width), -1, dtype=torch.int64)
         for b in range(batch):
             older = int(seq_lens[b]) - 1  # the newest token is never selected
@@ -89,7 +97,7 @@ def make_case(seed: int, batch: int, num_slots: int, width: int, num_steps: int,
         seq_lens += 1
         steps.append(top_k)
     return Case(torch.from_numpy(rows).long(), slot_pos, lru, device_rows,
-                host_rows.long(), host_kv, device_kv, steps, num_rows, num_slots)
+                host_rows.long(), host_kv, device_kv, steps, num_rows, num_slots, next_steps)
 
 
 def run(case: Case, policy_name: str, backend: str):
@@ -98,11 +106,11 @@ def run(case: Case, policy_name: str, backend: str):
     policy = get_policy(policy_name, num_rows=case.num_rows, num_slots=case.num_slots)
     results: list[SwapInResult] = []
     before: list[torch.Tensor] = []
-    for top_k in case.steps:
+    for top_k, following in zip(case.steps, case.next_steps, strict=True):
         before.append(case.slot_pos.clone())
         lru_before = case.lru.clone()
         res = swap_in(top_k, case.rows, case.slot_pos, case.lru, case.device_rows, case.host_rows,
-                      case.host_kv, case.device_kv, policy=policy, backend=backend)
+                      case.host_kv, case.device_kv, policy=policy, backend=backend, next_ranked=following)
         check_step(case, top_k, before[-1], lru_before, res)
         results.append(res)
     return results, before, case, policy
@@ -181,7 +189,7 @@ def cpu_parallel_always():
         swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES = saved
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "clock"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru"])
 @FAST
 @given(case=cases(), parallel=st.booleans())
 def test_cpu_matches_reference(policy, case, parallel):
@@ -189,7 +197,7 @@ def test_cpu_matches_reference(policy, case, parallel):
         assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "score_lru"])
 @TRITON
 @given(case=cases(max_batch=3, max_slots=12, max_steps=3))
 def test_triton_matches_reference(policy, case):
@@ -281,7 +289,8 @@ def _call(top_k, **overrides):
     policy = args.pop("policy", "lru")
     backend = args.pop("backend", "auto")
     return swap_in(top_k, args["rows"], args["slot_pos"], args["lru"], args["device_rows"],
-                   args["host_rows"], args["host_kv"], args["device_kv"], policy=policy, backend=backend)
+                   args["host_rows"], args["host_kv"], args["device_kv"], policy=policy, backend=backend,
+                   next_ranked=args.get("next_ranked"))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
@@ -305,6 +314,8 @@ def test_more_selected_positions_than_slots_is_an_error(backend):
         (dict(device_kv=torch.zeros(8, 4, dtype=torch.float16)), "device_kv is"),
         (dict(device_kv=torch.zeros(8, 5)), "one W"),
         (dict(lru=torch.zeros(2, 3, dtype=torch.int32)), "one shape"),
+        (dict(next_ranked=torch.zeros(2, 3, dtype=torch.int32)), "next_ranked must be"),
+        (dict(next_ranked=torch.zeros(3, 2, dtype=torch.int64)), "next_ranked has 3 rows"),
     ],
 )
 def test_bad_arguments_are_value_errors(overrides, match):
@@ -329,6 +340,19 @@ def test_bad_values_are_value_errors_and_change_nothing(backend, top_k, rows, ma
     with pytest.raises(ValueError, match=match):
         _call(torch.tensor(top_k), **{**args, "rows": torch.tensor(rows)}, backend=backend)
     assert torch.equal(args["slot_pos"], slot_pos) and torch.equal(args["lru"], lru)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("following", [[[10], [0]], [[-2], [0]]])
+def test_next_ranked_out_of_range_is_a_value_error_and_changes_nothing(backend, following):
+    args = _tables()
+    policy = get_policy("score_lru", num_rows=2, num_slots=4)
+    slot_pos, lru = args["slot_pos"].clone(), args["lru"].clone()
+    with pytest.raises(ValueError, match="next_ranked positions"):
+        _call(torch.tensor([[0, 1], [2, -1]]), **args, next_ranked=torch.tensor(following), policy=policy,
+              backend=backend)
+    assert torch.equal(args["slot_pos"], slot_pos) and torch.equal(args["lru"], lru)
+    assert int(policy.state["age"].sum()) == 0
 
 
 def test_empty_batch_is_a_no_op():

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse.memory.eviction import (
     EVICTION_POLICIES,
     ClockPolicy,
     FIFOPolicy,
     LRUPolicy,
+    ScoreLRUPolicy,
     get_policy,
     new_slot_tables,
     reset_row,
@@ -58,7 +61,71 @@ def test_clock_order_is_the_ring_rotated_to_the_hand():
     assert plan.order == [3, 0, 1, 2]
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo", "clock"])
+def test_score_lru_spares_a_runner_up_and_ages_a_newcomer():
+    # Width 4, every age 0 before the step. Slot 1's position (11) is ranked first below the top-k.
+    policy = ScoreLRUPolicy(num_rows=1, num_slots=4)
+    plan = policy.plan_row(TOP_K, FULL, ORDER, {"age": [0, 0, 0, 0]}, next_ranked=[11, 99, -1])
+    # aged a step: [4, 4, 4, 4]; slot 1 touched at rank 1: min(4, 2 x 1) = 2; slots 0 and 2 are hits
+    assert plan.victims == [3]  # LRU would take slot 1, the oldest unselected
+    assert plan.slots == [2, 3, 0, -1]
+    # loaded slot 3 starts 2 steps old (8), slot 1 keeps 2, hits 0
+    assert plan.state["age"] == [0, 2, 0, 8]
+    # LRU's order [1, 3, 0, 2] stably sorted by descending age
+    assert plan.order == [3, 1, 0, 2]
+
+
+def test_score_lru_takes_the_worst_ranked_runner_up_when_all_are_ranked():
+    # Every slot 20 old (24 after this step); ranked 3rd, 2nd, 4th, 1st: ages 2r = [6, 4, 8, 2].
+    policy = ScoreLRUPolicy(num_rows=1, num_slots=4)
+    plan = policy.plan_row([20, -1, -1, -1], FULL, ORDER, {"age": [20] * 4}, next_ranked=[13, 11, 10, 12, 13])
+    assert plan.victims == [2]  # position 12, ranked last
+    assert plan.state["age"] == [6, 4, 8, 2]  # the newcomer in slot 2 starts 2 steps (8) old
+    assert plan.order == [2, 0, 1, 3]
+
+
+def test_score_lru_ages_saturate():
+    policy = ScoreLRUPolicy(num_rows=1, num_slots=4)
+    limit = ScoreLRUPolicy.AGE_LIMIT
+    plan = policy.plan_row([20], FULL, ORDER, {"age": [limit, limit - 1, 5, 0]})
+    assert plan.victims == [0]
+    assert plan.state["age"][1:] == [limit, 6, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=5, unique=True), min_size=1, max_size=12),
+       held=st.integers(0, 6))
+def test_score_lru_without_ranks_or_load_age_is_exactly_lru(steps, held):
+    slot_pos, order = new_slot_tables(1, 6)
+    score = ScoreLRUPolicy(num_rows=1, num_slots=6)
+    score.LOAD_AGE_STEPS = 0
+    reset_row(slot_pos, order, 0, range(40, 40 + held), score)
+    pos, lru_order, score_order = slot_pos[0].tolist(), order[0].tolist(), order[0].tolist()
+    age = score.state["age"][0].tolist()
+    for top_k in steps:
+        want = LRUPolicy().plan_row(top_k, pos, lru_order)
+        got = score.plan_row(top_k, pos, score_order, {"age": age})
+        assert (got.victims, got.order, got.slots) == (want.victims, want.order, want.slots)
+        for j, s in zip(want.miss_columns, want.victims, strict=True):
+            pos[s] = top_k[j]
+        lru_order, score_order, age = want.order, got.order, got.state["age"]
+
+
+def test_score_lru_fills_empty_slots_before_evicting_even_though_newcomers_start_old():
+    slot_pos, lru = new_slot_tables(1, 4)
+    policy = get_policy("score_lru", num_rows=1, num_slots=4)
+    reset_row(slot_pos, lru, 0, [5], policy)
+    assert policy.state["age"][0].tolist() == [0] + [ScoreLRUPolicy.AGE_LIMIT] * 3
+    pos, order, age = slot_pos[0].tolist(), lru[0].tolist(), policy.state["age"][0].tolist()
+    filled = []
+    for p in (7, 8, 9):
+        plan = policy.plan_row([p], pos, order, {"age": age})
+        filled += plan.victims
+        pos[plan.victims[0]] = p
+        order, age = plan.order, plan.state["age"]
+    assert sorted(filled) == [1, 2, 3] and pos[0] == 5
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "clock", "score_lru"])
 def test_empty_slots_are_used_before_any_token_is_evicted(name):
     slot_pos, lru = new_slot_tables(1, 4)
     policy = get_policy(name, num_rows=1, num_slots=4)
@@ -82,7 +149,9 @@ def test_plan_rejects_duplicate_selection():
 
 
 def test_registry_names_and_unknown_policy():
-    assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock"}
+    assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock", "score_lru"}
+    assert get_policy("score_lru", num_rows=1, num_slots=4).num_next_ranks(256) == 1024
+    assert get_policy("lru").num_next_ranks(256) == 0
     assert isinstance(get_policy("fifo"), FIFOPolicy)
     with pytest.raises(ValueError, match="'belady'.*lru"):
         get_policy("belady")
