@@ -88,9 +88,13 @@ class HiSparseAttention:
         cache = self.cache
         device_kv = cache.device_kv[layer]
         device_kv.index_copy_(0, self.step.device_write, new_rows)
-        selected = cache.index_cache.select(layer, index_q, index_w, self.index_slots, self.lengths,
-                                            cache.config.top_k)  # [B, K] ascending, newest included
-        page = cache.page_table(layer, self.step, selected)
+        args = (layer, index_q, index_w, self.index_slots, self.lengths, cache.config.top_k)
+        next_ranked = None
+        if cache.num_next_ranks and self.step.has_swapping:  # the policy also reads the runners-up
+            selected, next_ranked = cache.index_cache.select_with_next(*args, cache.num_next_ranks)
+        else:
+            selected = cache.index_cache.select(*args)  # [B, K] ascending, newest included
+        page = cache.page_table(layer, self.step, selected, next_ranked)
         layout = cache.layout
         ks, vs = split_kv(gather_rows(device_kv, page.clamp(min=0)), layout.num_kv_heads, layout.head_dim)
         return decode_attention(q, ks, vs, page >= 0, cache.scale)

@@ -144,6 +144,8 @@ class HiSparsePools:
         self.device_rows = torch.zeros(max_requests, buffer, dtype=torch.int64, device=device)
         self.host_rows = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
         self.policies = [get_policy(config.eviction_policy, max_requests, buffer, device) for _ in range(num_layers)]
+        # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
+        self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
         self.counters = SwapInCounters(num_layers)
 
     # -- admission --------------------------------------------------------------------------------
@@ -233,9 +235,11 @@ class HiSparsePools:
             swapping=torch.tensor([s >= buffer for s in starts]),
         )
 
-    def page_table(self, layer: int, step: DecodeStep, selected: torch.Tensor) -> torch.Tensor:
+    def page_table(self, layer: int, step: DecodeStep, selected: torch.Tensor,
+                   next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """Device rows [B, K] of the selected positions [B, K] (-1 padding stays -1), swapping missed
-        rows in first; the newest position, when selected, reads its reserved slot."""
+        rows in first; the newest position, when selected, reads its reserved slot. `next_ranked` [B, M]:
+        the positions ranked just below the selection, for a policy that reads them (`num_next_ranks`)."""
         valid = selected >= 0
         page = torch.full_like(selected, -1)
         if step.has_fast:  # the buffer holds every token: position p is in hot slot p
@@ -251,7 +255,8 @@ class HiSparsePools:
             start = time.perf_counter()
             result = swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
                              self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
-                             backend=self.swap_in_backend)
+                             backend=self.swap_in_backend,
+                             next_ranked=None if next_ranked is None else next_ranked[step.swapping])
             counters = self.counters
             counters.seconds[layer] += time.perf_counter() - start
             misses = int(result.misses.sum())
