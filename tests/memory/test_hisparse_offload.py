@@ -59,7 +59,8 @@ def baseline_tokens(llama, tokenizer, prompts):
     return generate(engine(llama, tokenizer), prompts)
 
 
-@pytest.mark.parametrize("policy, backend", [("lru", "cpu"), ("fifo", "cpu"), ("clock", "reference")])
+@pytest.mark.parametrize("policy, backend",
+                         [("lru", "cpu"), ("fifo", "cpu"), ("clock", "reference"), ("score_lru", "cpu")])
 def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens, policy, backend):
     e = hisparse_engine(llama, tokenizer, policy, backend)
     assert generate(e, prompts) == baseline_tokens
@@ -70,11 +71,14 @@ def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens
 
 
 def test_page_table_matches_buffer_mid_flight(llama, tokenizer, prompts):
-    e = hisparse_engine(llama, tokenizer)
+    e = hisparse_engine(llama, tokenizer, policy="score_lru")
     requests = [e.add_request(p, PARAMS) for p in prompts[1:]]
     for _ in range(12):
         e.step()
     cache = e.cache
+    # score_lru ages move in whole steps (top_k units) unless the indexer's runners-up reached the policy
+    ages = torch.stack([policy.state["age"] for policy in cache.policies])
+    assert cache.num_next_ranks == 4 * TOP_K and (ages % TOP_K != 0).any()
     checked = 0
     for request in requests:
         alloc = request.kv
