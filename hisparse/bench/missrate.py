@@ -13,20 +13,23 @@ engine's semantics (`hisparse.memory.hisparse_cache`):
 - each step loads the selected positions not in the buffer (misses) into slots chosen by the policy
   among those not selected this step.
 
-Online policies (every entry of `EVICTION_POLICIES`, and `lrfu` from `hisparse.memory.eviction_lrfu`) are
-simulated with numba and must agree with the real `swap_in` reference miss for miss
-(tests/bench/test_missrate.py). Belady's offline optimum evicts, for each miss, the unselected slot whose
-position is next selected farthest in the future (per layer, per request); with all of a step's
-selections demanded at once this is still optimal (the usual exchange argument), so no online policy
-beats it.
+Online policies (every entry of `EVICTION_POLICIES`) are simulated with numba and must agree with the real
+`swap_in` reference miss for miss (tests/bench/test_missrate.py); `score_lru` reads the positions the
+indexer ranked just below the top-k, which the traces record too (`next_{i}`). Belady's offline optimum
+evicts, for each miss, the unselected slot whose position is next selected farthest in the future (per
+layer, per request); with all of a step's selections demanded at once this is still optimal (the usual
+exchange argument), so no online policy beats it.
 
     python -m hisparse.bench_missrate [--trace-dir DIR] [--num-requests 4] [--context 2048] [--steps 128]
         [--top-k 256] [--buffers 1,1.5,2,3] [--split heldout] [--out missrate_results] [--tune]
 
 Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
 HiSparse) on the Python-documentation corpus and cached in --trace-dir: `heldout` text for the reported
-numbers, `train` text for tuning the `lrfu` policy (`--split train --tune`). `--synthetic` replays
-generated traces instead (no model needed; for tests and smoke runs).
+numbers, `train` text for choosing `score_lru`'s constants (`--split train --tune`). `--synthetic`
+replays generated traces instead (no model needed; for tests and smoke runs).
+
+Each row also says what share of LRU's excess over the optimum `score_lru` removes:
+(lru - score_lru) / (lru - optimum).
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace  # noqa: E402
-from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy  # noqa: E402
-from hisparse.memory.eviction_lrfu import LRFUPolicy  # noqa: E402
+from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy  # noqa: E402
 
 OPTIMUM = "optimum"
-POLICIES: dict[str, type[EvictionPolicy]] = {**EVICTION_POLICIES, LRFUPolicy.name: LRFUPolicy}  # all compared
-POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "lrfu": 3}
-_LRU, _FIFO, _CLOCK, _LRFU = 0, 1, 2, 3
+POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compared
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
+_LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
+CHALLENGER = ScoreLRUPolicy.name  # the policy whose share of LRU's gap each row reports
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
 
@@ -73,10 +76,11 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots):
 
 
 @njit(cache=True)
-def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses):
+def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, misses):
     """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
 
-    sel: int32 [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
+    sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
+    nxt: int [T, M] the positions ranked just below them, the best first (score_lru reads them).
     The bookkeeping mirrors EvictionPolicy.plan_row and the policies' `choose` rules exactly.
     """
     steps, width = sel.shape
@@ -87,7 +91,8 @@ def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses
     order = np.arange(num_slots).astype(np.int64)
     new_order = np.empty(num_slots, np.int64)
     pos_slot = np.full(context, -1, np.int64)
-    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; lrfu: score
+    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; score_lru: age
+    age = np.empty(num_slots, np.int64)  # score_lru: this step's ages
     mark = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
     evictable = np.empty(num_slots, np.int64)
     hits = np.empty(num_slots, np.int64)
@@ -140,10 +145,16 @@ def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses
                 victims[v] = s
                 state[s] = 1
                 mark[s] = 2
-        elif policy == _LRFU:
-            for i in range(n_ev):  # lowest score first, ties in eviction order
-                keys[i] = state[evictable[i]] * num_slots + i
-            ranked = np.argsort(keys[:n_ev])
+        elif policy == _SCORE_LRU:
+            for s in range(num_slots):
+                age[s] = min(state[s] + width, limit)
+            for j in range(nxt.shape[1]):  # the best rank of a position listed twice wins (min)
+                p = nxt[t, j]
+                if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0:
+                    age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1))
+            for i in range(n_ev):  # oldest first, ties in eviction order
+                keys[i] = -age[evictable[i]]
+            ranked = np.argsort(keys[:n_ev], kind="mergesort")
             for v in range(n_miss):
                 victims[v] = evictable[ranked[v]]
                 mark[victims[v]] = 2
@@ -190,13 +201,13 @@ def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses
             for i in range(num_slots):
                 new_order[i] = order[(hand + i) % num_slots]
         else:
-            for s in range(num_slots):
-                state[s] = (state[s] * decay) >> 16
             for i in range(n_hit):
-                state[hits[i]] += 1 << 16
+                age[hits[i]] = 0
             for i in range(n_miss):
-                state[victims[i]] = load_score
-            k = 0  # LRU's order, then a stable sort by the new score
+                age[victims[i]] = min(load_steps * width, limit)
+            for s in range(num_slots):
+                state[s] = age[s]
+            k = 0  # LRU's order, then a stable sort by descending new age
             for i in range(n_ev):
                 if mark[evictable[i]] == 0:
                     new_order[k] = evictable[i]
@@ -208,8 +219,8 @@ def _simulate_online(sel, seq_lens, num_slots, policy, decay, load_score, misses
                 new_order[k] = hits[i]
                 k += 1
             for i in range(num_slots):
-                keys[i] = state[new_order[i]] * num_slots + i
-            ranked = np.argsort(keys)
+                keys[i] = -state[new_order[i]]
+            ranked = np.argsort(keys, kind="mergesort")
             for i in range(num_slots):
                 evictable[i] = new_order[ranked[i]]
             for i in range(num_slots):
@@ -292,14 +303,15 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 
 @njit(parallel=True, cache=True)
-def _simulate_layers(sel, seq_lens, num_slots, policy, decay, load_score):
+def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit):
     """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
         if policy < 0:
             _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
         else:
-            _simulate_online(sel[layer], seq_lens, num_slots, policy, decay, load_score, out[layer])
+            _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
+                             out[layer])
     return out
 
 
@@ -308,11 +320,13 @@ def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
     return POLICIES[name](num_rows, num_slots)
 
 
-def simulate(trace: TopkTrace, num_slots: int, policy: str, decay: int | None = None,
-             load_score: int | None = None) -> np.ndarray:
+def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
+             load_steps: int | None = None, next_per_top_k: int | None = None) -> np.ndarray:
     """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
 
-    `policy` is a name in POLICIES or "optimum"; `decay` and `load_score` override lrfu's.
+    `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_top_k` override
+    score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_TOP_K (the engine passes it
+    NEXT_RANKS_PER_TOP_K x top_k next-ranked positions, so the trace must hold at least that many).
     """
     if policy != OPTIMUM and policy not in POLICY_CODES:
         raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
@@ -320,9 +334,19 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, decay: int | None = 
     sel = np.ascontiguousarray(np.stack(trace.layers).astype(np.int64))
     seq_lens = np.asarray(trace.seq_lens, dtype=np.int64)
     code = -1 if policy == OPTIMUM else POLICY_CODES[policy]
-    decay = LRFUPolicy.decay if decay is None else decay
-    load_score = LRFUPolicy.load_score if load_score is None else load_score
-    return _simulate_layers(sel, seq_lens, num_slots, code, decay, load_score)
+    p = ScoreLRUPolicy
+    touch = p.TOUCH_AGE_PER_RANK if touch is None else touch
+    load_steps = p.LOAD_AGE_STEPS if load_steps is None else load_steps
+    num_next = (p.NEXT_RANKS_PER_TOP_K if next_per_top_k is None else next_per_top_k) * trace.top_k
+    if code == _SCORE_LRU and num_next:
+        recorded = 0 if trace.next_ranked is None else trace.next_ranked[0].shape[1]
+        if recorded < num_next:
+            raise ValueError(f"score_lru reads {num_next} next-ranked positions per step but the trace "
+                             f"{trace.request_id or ''} holds {recorded}: record it again")
+        nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
+    else:
+        nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
+    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
@@ -339,25 +363,32 @@ def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: s
 
 
 def synthetic_trace(seed: int, num_layers: int = 2, context: int = 600, steps: int = 24, top_k: int = 32,
-                    sinks: int = 4, window: int = 16) -> TopkTrace:
+                    sinks: int = 4, window: int = 16, next_per_top_k: int = 4) -> TopkTrace:
     """A made-up trace with the shape of real ones: sink tokens and a local window always selected, the
-    rest by a persistent per-position importance plus noise that drifts from step to step."""
+    rest by a persistent per-position importance plus noise that drifts from step to step; the next
+    `next_per_top_k` x top_k positions by that score are recorded as the next-ranked ones."""
     rng = np.random.default_rng(seed)
-    layers = []
+    layers, following = [], []
     seq_lens = np.arange(context + 1, context + steps + 1, dtype=np.int32)
+    num_next = next_per_top_k * top_k
     for _ in range(num_layers):
         base = rng.standard_normal(context + steps) * 1.5
         noise = rng.standard_normal(context + steps)
         rows = np.full((steps, top_k), -1, dtype=np.int32)
+        ranked_rows = np.full((steps, num_next), -1, dtype=np.int32)
         for t, seq_len in enumerate(seq_lens):
             noise = 0.8 * noise + 0.6 * rng.standard_normal(noise.size)
             score = base[:seq_len] + noise[:seq_len]
             score[:sinks] = np.inf
             score[max(0, seq_len - window):] = np.inf
-            picked = np.sort(np.argsort(-score, kind="stable")[:top_k])
+            ranked = np.argsort(-score, kind="stable")
+            picked = np.sort(ranked[:top_k])
             rows[t, :picked.size] = picked
+            runners_up = ranked[top_k:top_k + num_next]
+            ranked_rows[t, :runners_up.size] = runners_up
         layers.append(rows)
-    return TopkTrace(layers, seq_lens, top_k, context, (), True, f"synthetic-{seed}")
+        following.append(ranked_rows)
+    return TopkTrace(layers, seq_lens, top_k, context, (), True, f"synthetic-{seed}", following)
 
 
 def prompt_ids(tokenizer, split: str, index: int, num_requests: int, context: int) -> list[int]:
@@ -376,7 +407,8 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
-    paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_idx{tag}_{i}of{num_requests}.npz"
+    num_next = ScoreLRUPolicy.NEXT_RANKS_PER_TOP_K * top_k  # traces without enough next ranks are not reused
+    paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{i}of{num_requests}.npz"
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing:
@@ -413,6 +445,7 @@ def record_batch(paths: list[Path], missing: list[int], split: str, num_requests
                                     max_running_requests=len(missing)))
     if engine.cache.sparse is None:
         raise ValueError("the model has no lightning indexer: there is no top-k to record")
+    engine.cache.sparse.trace_next_ranks = ScoreLRUPolicy.NEXT_RANKS_PER_TOP_K * top_k
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     requests = {i: engine.add_request(prompt_ids(engine.tokenizer, split, i, num_requests, context), params,
                                       request_id=f"{split}-{i}", record_topk=True) for i in missing}
@@ -455,30 +488,42 @@ def run(traces: list[TopkTrace], top_k: int, factors: list[float], policies: lis
     return results
 
 
-def tune_lrfu(traces: list[TopkTrace], num_slots: int, decays: list[float], load_scores: list[float]) -> dict:
-    """Grid of lrfu's (decay, load_score) at one buffer size: misses per step per layer for each."""
-    one = LRFUPolicy.ONE
+TUNE_GRID = {"touch": [1, 2, 4, 8], "load_steps": [0, 1, 2, 4], "next_per_top_k": [1, 2, 4]}
+
+
+def tune_score_lru(traces: list[TopkTrace], num_slots: int) -> dict[tuple[int, int, int], float]:
+    """score_lru's misses per step per layer at one buffer size for every (touch, load_steps,
+    next_per_top_k) in TUNE_GRID (the trace must hold max(next_per_top_k) x top_k next ranks)."""
     grid = {}
-    for decay in decays:
-        for load in load_scores:
-            grid[(decay, load)] = misses_per_step_per_layer(traces, num_slots, "lrfu", decay=int(round(decay * one)),
-                                                            load_score=int(round(load * one)))
+    for touch in TUNE_GRID["touch"]:
+        for load in TUNE_GRID["load_steps"]:
+            for per in TUNE_GRID["next_per_top_k"]:
+                grid[(touch, load, per)] = misses_per_step_per_layer(traces, num_slots, CHALLENGER, touch=touch,
+                                                                     load_steps=load, next_per_top_k=per)
     return grid
+
+
+def gap_closed(result: Result, policy: str = CHALLENGER) -> float | None:
+    """The share of LRU's excess over the optimum that `policy` removes (None when LRU has no excess)."""
+    misses = result.misses
+    if "lru" not in misses or policy not in misses:
+        return None
+    gap = misses["lru"] - misses[OPTIMUM]
+    return (misses["lru"] - misses[policy]) / gap if gap > 1e-9 else None
 
 
 def markdown_table(results: list[Result], policies: list[str]) -> str:
     cols = [*policies, OPTIMUM]
     lines = ["| buffer | slots | " + " | ".join(cols) + " | " + " | ".join(f"{p} excess" for p in policies)
-             + " | lrfu closes of LRU's gap |",
+             + f" | {CHALLENGER} closes of LRU's gap |",
              "|" + "---|" * (2 + len(cols) + len(policies) + 1)]
     for r in results:
         opt = r.misses[OPTIMUM]
-        gap = r.misses.get("lru", float("nan")) - opt
-        closed = (r.misses["lru"] - r.misses["lrfu"]) / gap if "lrfu" in r.misses and gap > 1e-9 else float("nan")
+        closed = gap_closed(r)
         lines.append(f"| {r.buffer_factor:g}x | {r.num_slots} | " + " | ".join(f"{r.misses[c]:.2f}" for c in cols)
                      + " | " + " | ".join(f"+{r.misses[p] - opt:.2f} ({r.misses[p] / opt:.2f}x)" if opt > 0
                                           else f"+{r.misses[p] - opt:.2f}" for p in policies)
-                     + (f" | {closed:.0%} |" if closed == closed else " | - |"))
+                     + (f" | {closed:.0%} |" if closed is not None else " | - |"))
     return "\n".join(lines)
 
 
@@ -516,7 +561,7 @@ def main(argv=None) -> None:
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
                         help="text the traces are recorded on (tune on train, report on heldout)")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--tune", action="store_true", help="also grid-search lrfu's parameters at 2x top_k")
+    parser.add_argument("--tune", action="store_true", help="also grid-search score_lru's constants at 2x top_k")
     parser.add_argument("--synthetic", action="store_true", help="replay generated traces (no model needed)")
     parser.add_argument("--out", type=Path, default=Path("missrate_results"))
     parser.add_argument("--no-progress", action="store_true")
@@ -540,32 +585,42 @@ def main(argv=None) -> None:
     title = (f"{source}: {len(traces)} requests x {args.context} ctx x {args.steps} steps, "
              f"top_k {top_k}, {traces[0].num_layers} layers")
     table = markdown_table(results, policies)
-    lrfu_params = {"decay": LRFUPolicy.decay / LRFUPolicy.ONE, "load_score": LRFUPolicy.load_score / LRFUPolicy.ONE}
-    lrfu = f"lrfu: decay {lrfu_params['decay']:.4g}, load_score {lrfu_params['load_score']:.4g}"
-    print(f"\nmisses per step per layer ({title}; {lrfu})\n")
+    p = ScoreLRUPolicy
+    constants = {"touch_age_per_rank": p.TOUCH_AGE_PER_RANK, "load_age_steps": p.LOAD_AGE_STEPS,
+                 "next_ranks_per_top_k": p.NEXT_RANKS_PER_TOP_K}
+    described = (f"{CHALLENGER}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
+                 f"{p.NEXT_RANKS_PER_TOP_K} x top_k next ranks")
+    print(f"\nmisses per step per layer ({title}; {described})\n")
     print(table)
     report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
-              "steps": args.steps, "top_k": top_k, "num_layers": traces[0].num_layers,
-              "lrfu": lrfu_params,
+              "steps": args.steps, "top_k": top_k, "num_layers": traces[0].num_layers, CHALLENGER: constants,
               "results": [{"buffer_factor": r.buffer_factor, "num_slots": r.num_slots, "misses": r.misses,
-                           "excess_over_optimum": {p: r.misses[p] - r.misses[OPTIMUM] for p in policies}}
+                           "excess_over_optimum": {p: r.misses[p] - r.misses[OPTIMUM] for p in policies},
+                           f"{CHALLENGER}_gap_closed": gap_closed(r)}
                           for r in results]}
     if args.tune:
-        decays = [0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98]
-        loads = [0.25, 0.5, 0.75, 1.0, 1.5]
         num_slots = 2 * top_k
-        grid = tune_lrfu(traces, num_slots, decays, loads)
+        grid = tune_score_lru(traces, num_slots)
         best = min(grid, key=grid.get)
-        print(f"\nlrfu at {num_slots} slots (2x top_k), misses per step per layer; rows decay, columns load_score\n")
-        print("| decay | " + " | ".join(f"{x:g}" for x in loads) + " |\n|" + "---|" * (len(loads) + 1))
-        for d in decays:
-            print(f"| {d:g} | " + " | ".join(f"{grid[(d, x)]:.2f}" for x in loads) + " |")
-        print(f"\nbest: decay {best[0]:g}, load_score {best[1]:g}: {grid[best]:.2f}")
-        report["tune"] = {"num_slots": num_slots, "best": {"decay": best[0], "load_score": best[1]},
-                          "grid": [{"decay": d, "load_score": x, "misses": v} for (d, x), v in grid.items()]}
+        lru = misses_per_step_per_layer(traces, num_slots, "lru")
+        opt = misses_per_step_per_layer(traces, num_slots, OPTIMUM)
+        print(f"\n{CHALLENGER} at {num_slots} slots (2x top_k): misses per step per layer (share of LRU's gap "
+              f"closed); LRU {lru:.2f}, optimum {opt:.2f}\n")
+        print("| touch | load age | " + " | ".join(f"{x} x top_k next" for x in TUNE_GRID["next_per_top_k"])
+              + " |\n|" + "---|" * (2 + len(TUNE_GRID["next_per_top_k"])))
+        for touch in TUNE_GRID["touch"]:
+            for load in TUNE_GRID["load_steps"]:
+                cells = [grid[(touch, load, x)] for x in TUNE_GRID["next_per_top_k"]]
+                print(f"| {touch} | {load} | " + " | ".join(f"{v:.2f} ({(lru - v) / (lru - opt):.0%})" for v in cells)
+                      + " |")
+        print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} x top_k next ranks: {grid[best]:.2f}")
+        report["tune"] = {"num_slots": num_slots, "lru": lru, OPTIMUM: opt,
+                          "best": dict(zip(("touch", "load_steps", "next_per_top_k"), best, strict=True)),
+                          "grid": [{"touch": t, "load_steps": x, "next_per_top_k": n, "misses": v}
+                                   for (t, x, n), v in grid.items()]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {lrfu})\n\n{table}\n")
+    (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {described})\n\n{table}\n")
     plot(results, policies, args.out / "missrate.png", title)
     print(f"\nwrote {args.out}/missrate.{{json,md,png}} (traces {recorded - started:.0f} s, "
           f"replay {time.perf_counter() - recorded:.0f} s)")

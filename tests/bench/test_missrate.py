@@ -11,24 +11,38 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hisparse.bench.missrate import OPTIMUM, POLICIES, POLICY_CODES, main, make_policy, simulate, synthetic_trace
+from hisparse.bench.missrate import (
+    CHALLENGER,
+    OPTIMUM,
+    POLICIES,
+    POLICY_CODES,
+    main,
+    make_policy,
+    simulate,
+    synthetic_trace,
+)
 from hisparse.engine.topk_trace import TopkTrace
 from hisparse.kernels.swap_in import swap_in
 from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_row
-from hisparse.memory.eviction_lrfu import LRFUPolicy
+
+# simulate()'s names for score_lru's constants -> the policy's attributes
+SCORE_LRU_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
+                    "next_per_top_k": "NEXT_RANKS_PER_TOP_K"}
 
 
 def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: int) -> np.ndarray:
     """Misses [L, T] of the trace through the real swap_in reference, driven as HiSparseKVCache drives it:
     fast path while the newest position is below the buffer size, then the buffer reset to the last
-    positions, and the newest position (in the reserved slot) never passed to swap-in."""
+    positions, the newest position (in the reserved slot) never passed to swap-in, and as many
+    next-ranked positions as the policy asks for."""
     context = int(trace.seq_lens.max())
     out = np.full((trace.num_layers, trace.num_steps), -1)
     for layer in range(trace.num_layers):
         slot_pos, lru = new_slot_tables(1, num_slots)
         policy = make_policy(policy_name, 1, num_slots)
-        for key, value in params.items():  # lrfu's decay and load_score, as simulate() takes them
-            setattr(policy, key, value)
+        for key, value in params.items():  # score_lru's constants, as simulate() takes them
+            setattr(policy, SCORE_LRU_PARAMS[key], value)
+        num_next = policy.num_next_ranks(trace.top_k)
         device_rows = torch.arange(num_slots).view(1, -1)
         host_rows = torch.arange(context).view(1, -1)
         host_kv, device_kv = torch.randn(context, 2), torch.zeros(num_slots, 2)
@@ -42,19 +56,24 @@ def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: 
                 live = True
             top_k = torch.from_numpy(trace.layers[layer][t].astype(np.int64)).view(1, -1)
             top_k = torch.where(top_k == newest, -1, top_k)
+            following = None
+            if trace.next_ranked is not None:
+                following = torch.from_numpy(trace.next_ranked[layer][t, :num_next].astype(np.int64)).view(1, -1)
             res = swap_in(top_k, torch.tensor([0]), slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
-                          policy=policy, backend="reference")
+                          policy=policy, backend="reference", next_ranked=following)
             out[layer, t] = int(res.misses[0])
     return out
 
 
 def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int, keep: float) -> TopkTrace:
-    """Uniformly random selections, each step keeping a share of the previous one."""
+    """Uniformly random selections, each step keeping a share of the previous one; the next-ranked
+    positions are a random order of the rest (4 x top_k of them, -1 padded)."""
     rng = np.random.default_rng(seed)
     seq_lens = np.arange(start + 1, start + steps + 1, dtype=np.int32)
-    layers = []
+    layers, following = [], []
     for _ in range(num_layers):
         rows = np.full((steps, top_k), -1, dtype=np.int32)
+        ranked = np.full((steps, 4 * top_k), -1, dtype=np.int32)
         previous = np.array([], dtype=np.int64)
         for t, seq_len in enumerate(seq_lens):
             count = min(top_k, seq_len)
@@ -62,13 +81,16 @@ def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int,
             fresh = rng.permutation(np.setdiff1d(np.arange(seq_len), kept))[:count - kept.size]
             picked = np.sort(np.concatenate([kept, fresh]))
             rows[t, :picked.size] = picked
+            rest = rng.permutation(np.setdiff1d(np.arange(seq_len), picked))[:4 * top_k]
+            ranked[t, :rest.size] = rest
             previous = picked
         layers.append(rows)
-    return TopkTrace(layers, seq_lens, top_k)
+        following.append(ranked)
+    return TopkTrace(layers, seq_lens, top_k, next_ranked=following)
 
 
 def test_every_policy_has_a_simulator():
-    assert set(EVICTION_POLICIES) < set(POLICIES) == set(POLICY_CODES)
+    assert set(EVICTION_POLICIES) == set(POLICIES) == set(POLICY_CODES)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -87,13 +109,33 @@ def test_simulator_matches_swap_in_on_random_selections():
         np.testing.assert_array_equal(simulate(trace, 18, policy), engine_replay(trace, 18, policy))
 
 
-@pytest.mark.parametrize(("decay", "load_score"), [(0.5, 1.0), (0.9, 0.5), (0.97, 0.25)])
-def test_simulator_matches_swap_in_for_lrfu_parameters(decay, load_score):
-    params = {"decay": int(decay * LRFUPolicy.ONE), "load_score": int(load_score * LRFUPolicy.ONE)}
+@pytest.mark.parametrize(("touch", "load_steps", "next_per_top_k"), [(1, 0, 1), (4, 1, 2), (8, 4, 4), (2, 2, 0)])
+def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, next_per_top_k):
+    params = {"touch": touch, "load_steps": load_steps, "next_per_top_k": next_per_top_k}
     trace = synthetic_trace(seed=7, num_layers=2, context=60, steps=30, top_k=16, sinks=2, window=4)
     for num_slots in (16, 28):
-        np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", **params),
-                                      engine_replay(trace, num_slots, "lrfu", **params))
+        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, **params),
+                                      engine_replay(trace, num_slots, CHALLENGER, **params))
+
+
+def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
+    trace = synthetic_trace(seed=5, num_layers=2, context=120, steps=30, top_k=16)
+    for num_slots in (20, 32):
+        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, load_steps=0, next_per_top_k=0),
+                                      simulate(trace, num_slots, "lru"))
+
+
+def test_score_lru_beats_lru_on_the_synthetic_traces():
+    """The synthetic score drifts slowly, so its runners-up predict the next steps: the ranks must pay."""
+    traces = [synthetic_trace(seed, num_layers=2, context=400, steps=40, top_k=32) for seed in range(3)]
+    total = {p: sum(int(simulate(t, 64, p).clip(min=0).sum()) for t in traces) for p in ("lru", CHALLENGER)}
+    assert total[CHALLENGER] < 0.95 * total["lru"]
+
+
+def test_a_trace_without_enough_next_ranks_is_refused():
+    trace = synthetic_trace(seed=1, num_layers=1, context=60, steps=5, top_k=16, next_per_top_k=1)
+    with pytest.raises(ValueError, match="record it again"):
+        simulate(trace, 32, CHALLENGER)
 
 
 def test_fast_path_steps_have_no_misses_and_are_marked():
@@ -131,12 +173,13 @@ def test_cli_runs_end_to_end_on_a_synthetic_trace(tmp_path, capsys):
     main(["--synthetic", "--num-requests", "2", "--context", "200", "--steps", "12", "--top-k", "16",
           "--buffers", "1,2", "--out", str(tmp_path), "--no-progress"])
     printed = capsys.readouterr().out
-    assert "optimum" in printed and "lru excess" in printed
+    assert "optimum" in printed and "lru excess" in printed and f"{CHALLENGER} closes of LRU's gap" in printed
     report = json.loads((tmp_path / "missrate.json").read_text())
     assert [r["buffer_factor"] for r in report["results"]] == [1.0, 2.0]
     for r in report["results"]:
         assert set(r["misses"]) == {*POLICIES, OPTIMUM}
         assert all(v >= -1e-9 for v in r["excess_over_optimum"].values())
+        assert r[f"{CHALLENGER}_gap_closed"] is None or r[f"{CHALLENGER}_gap_closed"] <= 1 + 1e-9
     table = (tmp_path / "missrate.md").read_text()
     assert "\n| 1x | 16 |" in table and "\n| 2x | 32 |" in table
     assert (tmp_path / "missrate.png").read_bytes()[:4] == b"\x89PNG"
