@@ -55,6 +55,9 @@ POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compa
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
 CHALLENGER = ScoreLRUPolicy.name  # the policy whose share of LRU's gap each row reports
+# Runners-up recorded per step: score_lru reads NEXT_RANKS_PER_SPARE_SLOT x (buffer - top_k) of them, which
+# is 4 x top_k at 3x top_k with the default 2 per spare slot.
+RECORDED_NEXT_PER_TOP_K = 4
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
 
@@ -63,8 +66,9 @@ DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
 
 
 @njit(cache=True)
-def _reset(slot_pos, order, pos_slot, state, first, num_slots):
-    """reset_row(positions=range(first, first + S)): slot i holds first + i, slot 0 first to go."""
+def _reset(slot_pos, order, pos_slot, state, first, num_slots, held_state):
+    """reset_row(positions=range(first, first + S)): slot i holds first + i, slot 0 first to go; the
+    policy's state of a held slot is `held_state` (score_lru's age of a never-selected token, else 0)."""
     for i in range(num_slots):
         old = slot_pos[i]
         if old >= 0:
@@ -72,11 +76,11 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots):
         slot_pos[i] = first + i
         pos_slot[first + i] = i
         order[i] = i
-        state[i] = 0
+        state[i] = held_state
 
 
 @njit(cache=True)
-def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, misses):
+def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, misses):
     """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
 
     sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
@@ -84,6 +88,8 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
     The bookkeeping mirrors EvictionPolicy.plan_row and the policies' `choose` rules exactly.
     """
     steps, width = sel.shape
+    unit = max(width, 1)  # score_lru's ages count in 1/width of a step
+    spare = max(num_slots - width, 0)
     context = 1
     for t in range(steps):
         context = max(context, seq_lens[t])
@@ -105,7 +111,8 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             misses[t] = -1
             continue
         if not live:
-            _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots)
+            _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots,
+                   held_age if policy == _SCORE_LRU else 0)
             live = True
         n_miss = 0
         for j in range(width):
@@ -147,11 +154,11 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
                 mark[s] = 2
         elif policy == _SCORE_LRU:
             for s in range(num_slots):
-                age[s] = min(state[s] + width, limit)
+                age[s] = min(state[s] + unit, limit)
             for j in range(nxt.shape[1]):  # the best rank of a position listed twice wins (min)
                 p = nxt[t, j]
                 if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0:
-                    age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1))
+                    age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1) * spare // unit)
             for i in range(n_ev):  # oldest first, ties in eviction order
                 keys[i] = -age[evictable[i]]
             ranked = np.argsort(keys[:n_ev], kind="mergesort")
@@ -204,7 +211,7 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             for i in range(n_hit):
                 age[hits[i]] = 0
             for i in range(n_miss):
-                age[victims[i]] = min(load_steps * width, limit)
+                age[victims[i]] = min(load_steps * unit, limit)
             for s in range(num_slots):
                 state[s] = age[s]
             k = 0  # LRU's order, then a stable sort by descending new age
@@ -264,7 +271,7 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
             misses[t] = -1
         else:
             if not live:
-                _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots)
+                _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots, 0)
                 live = True
             n_miss = 0
             for j in range(width):
@@ -303,7 +310,7 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 
 @njit(parallel=True, cache=True)
-def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit):
+def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age):
     """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
@@ -311,7 +318,7 @@ def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
         else:
             _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
-                             out[layer])
+                             held_age, out[layer])
     return out
 
 
@@ -321,12 +328,13 @@ def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
 
 
 def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
-             load_steps: int | None = None, next_per_top_k: int | None = None) -> np.ndarray:
+             load_steps: int | None = None, next_per_spare: int | None = None) -> np.ndarray:
     """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
 
-    `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_top_k` override
-    score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_TOP_K (the engine passes it
-    NEXT_RANKS_PER_TOP_K x top_k next-ranked positions, so the trace must hold at least that many).
+    `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_spare` override
+    score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_SPARE_SLOT (the engine passes it
+    NEXT_RANKS_PER_SPARE_SLOT x (num_slots - top_k) next-ranked positions, so the trace must hold at
+    least that many).
     """
     if policy != OPTIMUM and policy not in POLICY_CODES:
         raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
@@ -337,16 +345,17 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
     p = ScoreLRUPolicy
     touch = p.TOUCH_AGE_PER_RANK if touch is None else touch
     load_steps = p.LOAD_AGE_STEPS if load_steps is None else load_steps
-    num_next = (p.NEXT_RANKS_PER_TOP_K if next_per_top_k is None else next_per_top_k) * trace.top_k
+    per_spare = p.NEXT_RANKS_PER_SPARE_SLOT if next_per_spare is None else next_per_spare
+    num_next = per_spare * max(num_slots - trace.top_k, 0)
     if code == _SCORE_LRU and num_next:
         recorded = 0 if trace.next_ranked is None else trace.next_ranked[0].shape[1]
-        if recorded < num_next:
+        if recorded < min(num_next, int(seq_lens.max())):  # fewer columns are fine if they rank every position
             raise ValueError(f"score_lru reads {num_next} next-ranked positions per step but the trace "
                              f"{trace.request_id or ''} holds {recorded}: record it again")
         nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
     else:
         nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
-    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT)
+    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT, p.HELD_AGE)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
@@ -407,7 +416,7 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
-    num_next = ScoreLRUPolicy.NEXT_RANKS_PER_TOP_K * top_k  # traces without enough next ranks are not reused
+    num_next = RECORDED_NEXT_PER_TOP_K * top_k  # traces without as many next ranks are not reused
     paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{i}of{num_requests}.npz"
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
@@ -445,7 +454,7 @@ def record_batch(paths: list[Path], missing: list[int], split: str, num_requests
                                     max_running_requests=len(missing)))
     if engine.cache.sparse is None:
         raise ValueError("the model has no lightning indexer: there is no top-k to record")
-    engine.cache.sparse.trace_next_ranks = ScoreLRUPolicy.NEXT_RANKS_PER_TOP_K * top_k
+    engine.cache.sparse.trace_next_ranks = RECORDED_NEXT_PER_TOP_K * top_k
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     requests = {i: engine.add_request(prompt_ids(engine.tokenizer, split, i, num_requests, context), params,
                                       request_id=f"{split}-{i}", record_topk=True) for i in missing}
@@ -488,18 +497,23 @@ def run(traces: list[TopkTrace], top_k: int, factors: list[float], policies: lis
     return results
 
 
-TUNE_GRID = {"touch": [1, 2, 4, 8], "load_steps": [0, 1, 2, 4], "next_per_top_k": [1, 2, 4]}
+TUNE_GRID = {"touch": [2, 4, 8, 16], "load_steps": [0, 2, 4, 8], "next_per_spare": [1, 2]}
 
 
-def tune_score_lru(traces: list[TopkTrace], num_slots: int) -> dict[tuple[int, int, int], float]:
-    """score_lru's misses per step per layer at one buffer size for every (touch, load_steps,
-    next_per_top_k) in TUNE_GRID (the trace must hold max(next_per_top_k) x top_k next ranks)."""
+def tune_score_lru(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int, int], list[float]]:
+    """For every (touch, load_steps, next_per_spare) in TUNE_GRID, score_lru's share of LRU's gap closed
+    at each buffer size of `results` that has a gap (LRU and the optimum are taken from there)."""
+    sized = [r for r in results if gap_closed(r) is not None]
     grid = {}
     for touch in TUNE_GRID["touch"]:
         for load in TUNE_GRID["load_steps"]:
-            for per in TUNE_GRID["next_per_top_k"]:
-                grid[(touch, load, per)] = misses_per_step_per_layer(traces, num_slots, CHALLENGER, touch=touch,
-                                                                     load_steps=load, next_per_top_k=per)
+            for per in TUNE_GRID["next_per_spare"]:
+                shares = []
+                for r in sized:
+                    misses = misses_per_step_per_layer(traces, r.num_slots, CHALLENGER, touch=touch,
+                                                       load_steps=load, next_per_spare=per)
+                    shares.append(gap_closed(Result(r.buffer_factor, r.num_slots, {**r.misses, CHALLENGER: misses})))
+                grid[(touch, load, per)] = shares
     return grid
 
 
@@ -587,9 +601,9 @@ def main(argv=None) -> None:
     table = markdown_table(results, policies)
     p = ScoreLRUPolicy
     constants = {"touch_age_per_rank": p.TOUCH_AGE_PER_RANK, "load_age_steps": p.LOAD_AGE_STEPS,
-                 "next_ranks_per_top_k": p.NEXT_RANKS_PER_TOP_K}
+                 "next_ranks_per_spare_slot": p.NEXT_RANKS_PER_SPARE_SLOT}
     described = (f"{CHALLENGER}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
-                 f"{p.NEXT_RANKS_PER_TOP_K} x top_k next ranks")
+                 f"{p.NEXT_RANKS_PER_SPARE_SLOT} next ranks per spare slot")
     print(f"\nmisses per step per layer ({title}; {described})\n")
     print(table)
     report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
@@ -599,24 +613,20 @@ def main(argv=None) -> None:
                            f"{CHALLENGER}_gap_closed": gap_closed(r)}
                           for r in results]}
     if args.tune:
-        num_slots = 2 * top_k
-        grid = tune_score_lru(traces, num_slots)
-        best = min(grid, key=grid.get)
-        lru = misses_per_step_per_layer(traces, num_slots, "lru")
-        opt = misses_per_step_per_layer(traces, num_slots, OPTIMUM)
-        print(f"\n{CHALLENGER} at {num_slots} slots (2x top_k): misses per step per layer (share of LRU's gap "
-              f"closed); LRU {lru:.2f}, optimum {opt:.2f}\n")
-        print("| touch | load age | " + " | ".join(f"{x} x top_k next" for x in TUNE_GRID["next_per_top_k"])
-              + " |\n|" + "---|" * (2 + len(TUNE_GRID["next_per_top_k"])))
-        for touch in TUNE_GRID["touch"]:
-            for load in TUNE_GRID["load_steps"]:
-                cells = [grid[(touch, load, x)] for x in TUNE_GRID["next_per_top_k"]]
-                print(f"| {touch} | {load} | " + " | ".join(f"{v:.2f} ({(lru - v) / (lru - opt):.0%})" for v in cells)
-                      + " |")
-        print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} x top_k next ranks: {grid[best]:.2f}")
-        report["tune"] = {"num_slots": num_slots, "lru": lru, OPTIMUM: opt,
-                          "best": dict(zip(("touch", "load_steps", "next_per_top_k"), best, strict=True)),
-                          "grid": [{"touch": t, "load_steps": x, "next_per_top_k": n, "misses": v}
+        grid = tune_score_lru(traces, results)
+        sizes = [f"{r.buffer_factor:g}x" for r in results if gap_closed(r) is not None]
+        best = max(grid, key=lambda key: float(np.mean(grid[key])))
+        print(f"\n{CHALLENGER}'s share of LRU's gap closed, per buffer size and on average\n")
+        print("| touch | load age | next per spare slot | " + " | ".join(sizes) + " | mean |\n|"
+              + "---|" * (4 + len(sizes)))
+        for (touch, load, per), shares in grid.items():
+            print(f"| {touch} | {load} | {per} | " + " | ".join(f"{x:.0%}" for x in shares)
+                  + f" | {np.mean(shares):.1%} |")
+        print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} next ranks per spare slot: "
+              f"{np.mean(grid[best]):.1%} on average")
+        names = ("touch", "load_steps", "next_per_spare")
+        report["tune"] = {"sizes": sizes, "best": dict(zip(names, best, strict=True)),
+                          "grid": [{"touch": t, "load_steps": x, "next_per_spare": n, "gap_closed": v}
                                    for (t, x, n), v in grid.items()]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")

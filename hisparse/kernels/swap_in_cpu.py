@@ -160,10 +160,12 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
     # score_lru: age every slot a step, let next-ranked positions look younger, take the oldest evictables.
     victims = evictable
     touch, load_steps, limit = ages
+    unit = max(width, 1)  # ages count in 1/width of a step
+    spare = max(num_slots - width, 0)
     new_age = np.empty(num_slots if policy == _SCORE_LRU else 0, np.int64)
     if policy == _SCORE_LRU:
         for s in range(num_slots):
-            new_age[s] = min(np.int64(age[r, s]) + width, limit)
+            new_age[s] = min(np.int64(age[r, s]) + unit, limit)
         if next_ranked.shape[1] > 0:
             rank_keys, rank_cols = _hash_set(next_ranked, b)
             for s in range(num_slots):
@@ -171,7 +173,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
                 if p >= 0 and pinned[s] == 0:
                     j = _slot_of(rank_keys, rank_cols, p)
                     if j >= 0:
-                        new_age[s] = min(new_age[s], touch * (j + 1))
+                        new_age[s] = min(new_age[s], np.int64(touch) * (j + 1) * spare // unit)
         older_first = np.empty(n_evictable, np.int64)
         for i in range(n_evictable):
             older_first[i] = -new_age[evictable[i]]
@@ -242,7 +244,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
                 k += 1
         for i in range(n_miss):
             base[k] = victims[i]
-            new_age[victims[i]] = min(load_steps * width, limit)
+            new_age[victims[i]] = min(load_steps * unit, limit)
             k += 1
         for i in range(n_hits):
             base[k] = hits[i]

@@ -144,10 +144,13 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         n_ok = n_ok & (n_pos == nxt)
         tl.atomic_min(touch_ptr + b * BLOCK_S + n_cand, (ncols + 1).to(tl.int32), mask=n_ok)
         tl.debug_barrier()
+        unit = tl.maximum(K, 1)  # ages count in 1/K of a step
+        spare = tl.maximum(S - K, 0)
         old_age = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
-        age_s = tl.minimum(old_age.to(tl.int64) + K, AGE_LIMIT)
+        age_s = tl.minimum(old_age.to(tl.int64) + unit, AGE_LIMIT)
         rank_s = tl.load(touch_ptr + b * BLOCK_S + slots)
-        age_s = tl.where(rank_s < 2147483647, tl.minimum(age_s, rank_s.to(tl.int64) * TOUCH_AGE_PER_RANK), age_s)
+        touch_age = rank_s.to(tl.int64) * TOUCH_AGE_PER_RANK * spare // unit
+        age_s = tl.where(rank_s < 2147483647, tl.minimum(age_s, touch_age), age_s)
         tl.store(aged_ptr + b * BLOCK_S + slots, age_s.to(tl.int32), mask=in_s)
         tl.debug_barrier()
         # Evictables by descending age, ties in order: one sort of keys that carry the order index.
@@ -192,7 +195,8 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         kept_i = (ev & (victim_rank >= n_miss)).to(tl.int32)
         base_index = tl.where(victim_o, n_ev - n_miss + victim_rank,
                               tl.where(ev, tl.cumsum(kept_i, 0) - kept_i, n_ev + hit_rank))
-        new_age = tl.where(ev, tl.where(victim_o, tl.minimum(LOAD_AGE_STEPS * K, AGE_LIMIT), age_o), 0)
+        new_age = tl.where(ev, tl.where(victim_o, tl.minimum(LOAD_AGE_STEPS * tl.maximum(K, 1), AGE_LIMIT), age_o),
+                           0)
         tl.store(age_ptr + r * S + order, new_age.to(tl.int32), mask=in_s)
         tl.store(by_rank_ptr + b * BLOCK_S + base_index, order, mask=in_s)
         key = tl.where(in_s, ((AGE_LIMIT - new_age) << 20) | base_index.to(tl.int64), big)

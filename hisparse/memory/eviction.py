@@ -190,55 +190,68 @@ class ScoreLRUPolicy(EvictionPolicy):
 
     Why: a position the indexer ranks just below the top-k at step t is far likelier to be selected in
     the next steps than one selected long ago and ranked low now (on the default model's traces, about
-    36% of the positions ranked 1-32 below the top-k are selected at t+1, under 0.5% of those ranked
+    a third of the positions ranked 1-32 below the top-k are selected at t+1, under 1% of those ranked
     below 512). LRU knows only when a slot was last selected; this policy keeps, per slot, an age that
-    says how long ago its position last *looked* used:
+    says how long ago its position last *looked* used. With K = width (the top_k columns of the swap-in)
+    and S the buffer size:
 
-    - ages count in 1/width of a step (`width` = the top_k columns of the swap-in); every step every age
-      grows by `width` (one step), saturating at `AGE_LIMIT`;
+    - ages count in 1/K of a step; every step every age grows by K (one step), saturating at `AGE_LIMIT`;
     - a hit sets the age to 0; a loaded slot starts `LOAD_AGE_STEPS` steps old (a newcomer that is not
       selected again soon was probably passing through);
     - a slot whose position is ranked r-th below the top-k (`next_ranked`, which is never loaded) takes
-      the age `TOUCH_AGE_PER_RANK x r`, that is r x TOUCH_AGE_PER_RANK / width steps, if that is younger.
+      the age `TOUCH_AGE_PER_RANK x r x (S - K) / K` (rounded down) if that is younger: r/K steps read
+      on the buffer's own time scale, which grows with its spare room S - K (4, 8 and 16 x r/K steps at
+      1.5x, 2x and 3x top_k; tuned per buffer size, the best scales had grown the same way);
+    - a reset (`reset_row`) puts the held tokens at `HELD_AGE`: they were never selected.
 
-    Victims: the evictable slots with the largest ages, ties in eviction order (empty slots start at the
-    limit, see `reset_row`, so they go first). The new order is LRU's new order (untouched evictables,
-    loaded, hits) stably sorted by descending new age, so `lru` stays the eviction order; with no ranks
-    passed and `LOAD_AGE_STEPS` 0 the policy is exactly LRU (and without ranks but with the default load
-    age it misses within 1% of LRU, which is what the DSA models' HiSparse cache, which passes no ranks,
-    gets).
+    The policy reads `NEXT_RANKS_PER_SPARE_SLOT x (S - K)` ranks (`num_next_ranks`). Victims: the
+    evictable slots with the largest ages, ties in eviction order (empty slots start at the limit, see
+    `reset_row`, so they go first). The new order is LRU's new order (untouched evictables, loaded, hits)
+    stably sorted by descending new age, so `lru` stays the eviction order; with no ranks passed and
+    `LOAD_AGE_STEPS` 0 the policy is exactly LRU. Without ranks but with the default ages it misses 0-4%
+    less than LRU on the train traces: that is what the DSA models' HiSparse cache, which passes no
+    ranks yet, gets.
 
     The constants were chosen on train-split traces (`python -m hisparse.bench_missrate --split train
-    --tune`) and the policy evaluated on held-out ones: it removes about 30% of LRU's excess misses over
-    Belady's optimum at 1.5x-3x top_k. Richer rank histories (decayed sums, frequencies, cross-layer
-    counts, a learned table) did no better on the same traces, and even knowing the next step's
-    selection exactly would remove only about 11%: most of the gap needs foresight several steps ahead.
-    State: `age[R, S]` int32.
+    --tune`) and the policy evaluated on held-out ones; the README has the figures. Richer rank histories
+    (decayed sums, selection frequencies, cross-layer counts, a learned table over rank, recency and
+    distance) did no better on the same traces, and even knowing the next step's selection exactly
+    removes only 11-14% of LRU's excess over Belady's optimum at 2x top_k (the next 8 steps': 55-59%):
+    most of the gap needs foresight several steps ahead. State: `age[R, S]` int32.
     """
 
     name = "score_lru"
     state_names = ("age",)
     state_dtype = torch.int32
     AGE_LIMIT: ClassVar[int] = 1 << 30
-    TOUCH_AGE_PER_RANK: ClassVar[int] = 2  # rank r below the top-k: used 2r / top_k steps ago
-    LOAD_AGE_STEPS: ClassVar[int] = 2
-    NEXT_RANKS_PER_TOP_K: ClassVar[int] = 4  # ranks top_k+1 .. 5 x top_k are passed to swap-in
+    HELD_AGE: ClassVar[int] = 1 << 29  # a token put in the buffer by a reset, never selected: very old
+    TOUCH_AGE_PER_RANK: ClassVar[int] = 8
+    LOAD_AGE_STEPS: ClassVar[int] = 4
+    NEXT_RANKS_PER_SPARE_SLOT: ClassVar[int] = 2
+
+    def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_rows, num_slots, device)
+        self.num_slots = num_slots
 
     def num_next_ranks(self, top_k: int) -> int:
-        return self.NEXT_RANKS_PER_TOP_K * top_k
+        return self.NEXT_RANKS_PER_SPARE_SLOT * max(self.num_slots - top_k, 0)
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
-        """Held slots start at age 0, empty ones at the limit: an empty slot is older than any token, so it
-        is always filled before a token is evicted."""
-        self.state["age"][row, :num_held] = 0
+        """Held slots start at `HELD_AGE`: the prompt tail a reset loads was never selected, so any slot
+        used since, or ranked, is younger (their order stays the reset's, the earliest token first). Empty
+        slots start at the limit, older than any token, so they are always filled before one is evicted."""
+        self.state["age"][row, :num_held] = self.HELD_AGE
         self.state["age"][row, num_held:] = self.AGE_LIMIT
 
     def choose(self, order, is_hit, num_misses, state, next_rank, width):
         limit = self.AGE_LIMIT
+        width = max(width, 1)
+        spare = max(len(order) - width, 0)
         age = [min(a + width, limit) for a in state["age"]]
         for s, rank in enumerate(next_rank):
             if rank > 0:
-                age[s] = min(age[s], self.TOUCH_AGE_PER_RANK * rank)
+                age[s] = min(age[s], self.TOUCH_AGE_PER_RANK * rank * spare // width)
         evictable = sorted((s for s in order if not is_hit[s]), key=lambda s: -age[s])  # stable: ties in order
         victims = evictable[:num_misses]
         taken = set(victims)

@@ -27,7 +27,7 @@ from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_r
 
 # simulate()'s names for score_lru's constants -> the policy's attributes
 SCORE_LRU_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
-                    "next_per_top_k": "NEXT_RANKS_PER_TOP_K"}
+                    "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT"}
 
 
 def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: int) -> np.ndarray:
@@ -67,13 +67,13 @@ def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: 
 
 def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int, keep: float) -> TopkTrace:
     """Uniformly random selections, each step keeping a share of the previous one; the next-ranked
-    positions are a random order of the rest (4 x top_k of them, -1 padded)."""
+    positions are a random order of all the rest (-1 padded)."""
     rng = np.random.default_rng(seed)
     seq_lens = np.arange(start + 1, start + steps + 1, dtype=np.int32)
     layers, following = [], []
     for _ in range(num_layers):
         rows = np.full((steps, top_k), -1, dtype=np.int32)
-        ranked = np.full((steps, 4 * top_k), -1, dtype=np.int32)
+        ranked = np.full((steps, int(seq_lens[-1])), -1, dtype=np.int32)
         previous = np.array([], dtype=np.int64)
         for t, seq_len in enumerate(seq_lens):
             count = min(top_k, seq_len)
@@ -81,7 +81,7 @@ def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int,
             fresh = rng.permutation(np.setdiff1d(np.arange(seq_len), kept))[:count - kept.size]
             picked = np.sort(np.concatenate([kept, fresh]))
             rows[t, :picked.size] = picked
-            rest = rng.permutation(np.setdiff1d(np.arange(seq_len), picked))[:4 * top_k]
+            rest = rng.permutation(np.setdiff1d(np.arange(seq_len), picked))
             ranked[t, :rest.size] = rest
             previous = picked
         layers.append(rows)
@@ -109,9 +109,9 @@ def test_simulator_matches_swap_in_on_random_selections():
         np.testing.assert_array_equal(simulate(trace, 18, policy), engine_replay(trace, 18, policy))
 
 
-@pytest.mark.parametrize(("touch", "load_steps", "next_per_top_k"), [(1, 0, 1), (4, 1, 2), (8, 4, 4), (2, 2, 0)])
-def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, next_per_top_k):
-    params = {"touch": touch, "load_steps": load_steps, "next_per_top_k": next_per_top_k}
+@pytest.mark.parametrize(("touch", "load_steps", "next_per_spare"), [(1, 0, 1), (4, 1, 2), (16, 4, 2), (2, 2, 0)])
+def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, next_per_spare):
+    params = {"touch": touch, "load_steps": load_steps, "next_per_spare": next_per_spare}
     trace = synthetic_trace(seed=7, num_layers=2, context=60, steps=30, top_k=16, sinks=2, window=4)
     for num_slots in (16, 28):
         np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, **params),
@@ -121,7 +121,7 @@ def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, ne
 def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
     trace = synthetic_trace(seed=5, num_layers=2, context=120, steps=30, top_k=16)
     for num_slots in (20, 32):
-        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, load_steps=0, next_per_top_k=0),
+        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, load_steps=0, next_per_spare=0),
                                       simulate(trace, num_slots, "lru"))
 
 
@@ -183,3 +183,12 @@ def test_cli_runs_end_to_end_on_a_synthetic_trace(tmp_path, capsys):
     table = (tmp_path / "missrate.md").read_text()
     assert "\n| 1x | 16 |" in table and "\n| 2x | 32 |" in table
     assert (tmp_path / "missrate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tune_grids_score_lru_constants_on_synthetic_traces(tmp_path, capsys):
+    main(["--synthetic", "--num-requests", "1", "--context", "300", "--steps", "16", "--top-k", "32",
+          "--buffers", "1,2", "--out", str(tmp_path), "--no-progress", "--tune"])
+    assert "best: touch" in capsys.readouterr().out
+    tune = json.loads((tmp_path / "missrate.json").read_text())["tune"]
+    assert tune["sizes"] == ["1x", "2x"] and len(tune["grid"]) == 4 * 4 * 2
+    assert all(len(cell["gap_closed"]) == 2 for cell in tune["grid"])

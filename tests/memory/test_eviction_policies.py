@@ -62,25 +62,25 @@ def test_clock_order_is_the_ring_rotated_to_the_hand():
 
 
 def test_score_lru_spares_a_runner_up_and_ages_a_newcomer():
-    # Width 4, every age 0 before the step. Slot 1's position (11) is ranked first below the top-k.
+    # 4 slots, 2 top_k columns: ages count in halves of a step, a step adds 2, and rank r below the top-k
+    # means 8 x r x (4 - 2) / 2 = 8r. Every slot was 20 old; slot 1 (position 11) is the oldest in order.
     policy = ScoreLRUPolicy(num_rows=1, num_slots=4)
-    plan = policy.plan_row(TOP_K, FULL, ORDER, {"age": [0, 0, 0, 0]}, next_ranked=[11, 99, -1])
-    # aged a step: [4, 4, 4, 4]; slot 1 touched at rank 1: min(4, 2 x 1) = 2; slots 0 and 2 are hits
-    assert plan.victims == [3]  # LRU would take slot 1, the oldest unselected
-    assert plan.slots == [2, 3, 0, -1]
-    # loaded slot 3 starts 2 steps old (8), slot 1 keeps 2, hits 0
-    assert plan.state["age"] == [0, 2, 0, 8]
+    plan = policy.plan_row([12, 20], FULL, [1, 0, 2, 3], {"age": [20] * 4}, next_ranked=[11, 99, -1])
+    # aged: 22 each; slot 1 ranked 1st below the top-k: min(22, 8) = 8; slot 2 is a hit
+    assert plan.victims == [0]  # LRU would take slot 1
+    assert plan.slots == [2, 0]
+    assert plan.state["age"] == [8, 8, 0, 22]  # the newcomer in slot 0 starts 4 steps (8) old
     # LRU's order [1, 3, 0, 2] stably sorted by descending age
     assert plan.order == [3, 1, 0, 2]
 
 
 def test_score_lru_takes_the_worst_ranked_runner_up_when_all_are_ranked():
-    # Every slot 20 old (24 after this step); ranked 3rd, 2nd, 4th, 1st: ages 2r = [6, 4, 8, 2].
+    # Every slot 40 old (42 after this step); ranked 3rd, 2nd, 4th, 1st: ages 8r = [24, 16, 32, 8].
     policy = ScoreLRUPolicy(num_rows=1, num_slots=4)
-    plan = policy.plan_row([20, -1, -1, -1], FULL, ORDER, {"age": [20] * 4}, next_ranked=[13, 11, 10, 12, 13])
+    plan = policy.plan_row([20, -1], FULL, ORDER, {"age": [40] * 4}, next_ranked=[13, 11, 10, 12, 13])
     assert plan.victims == [2]  # position 12, ranked last
-    assert plan.state["age"] == [6, 4, 8, 2]  # the newcomer in slot 2 starts 2 steps (8) old
-    assert plan.order == [2, 0, 1, 3]
+    assert plan.state["age"] == [24, 16, 8, 8]
+    assert plan.order == [0, 1, 3, 2]
 
 
 def test_score_lru_ages_saturate():
@@ -114,7 +114,7 @@ def test_score_lru_fills_empty_slots_before_evicting_even_though_newcomers_start
     slot_pos, lru = new_slot_tables(1, 4)
     policy = get_policy("score_lru", num_rows=1, num_slots=4)
     reset_row(slot_pos, lru, 0, [5], policy)
-    assert policy.state["age"][0].tolist() == [0] + [ScoreLRUPolicy.AGE_LIMIT] * 3
+    assert policy.state["age"][0].tolist() == [ScoreLRUPolicy.HELD_AGE] + [ScoreLRUPolicy.AGE_LIMIT] * 3
     pos, order, age = slot_pos[0].tolist(), lru[0].tolist(), policy.state["age"][0].tolist()
     filled = []
     for p in (7, 8, 9):
@@ -150,7 +150,8 @@ def test_plan_rejects_duplicate_selection():
 
 def test_registry_names_and_unknown_policy():
     assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock", "score_lru"}
-    assert get_policy("score_lru", num_rows=1, num_slots=4).num_next_ranks(256) == 1024
+    assert get_policy("score_lru", num_rows=1, num_slots=512).num_next_ranks(256) == 2 * (512 - 256)
+    assert get_policy("score_lru", num_rows=1, num_slots=256).num_next_ranks(256) == 0
     assert get_policy("lru").num_next_ranks(256) == 0
     assert isinstance(get_policy("fifo"), FIFOPolicy)
     with pytest.raises(ValueError, match="'belady'.*lru"):
