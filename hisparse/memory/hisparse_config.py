@@ -13,7 +13,10 @@ class HiSparseConfig:
     top_k: int = 256
     device_buffer_size: int | None = None  # hot slots per request per layer; default 2 x top_k
     host_to_device_ratio: int = 8
-    eviction_policy: str = "lru"
+    # score_lru: LRU that also counts the indexer's runners-up as uses; on held-out traces of the default
+    # model it removes about 30% of LRU's excess misses over Belady's optimum (hisparse.bench_missrate).
+    # "lru" keeps the reference system's exact semantics.
+    eviction_policy: str = "score_lru"
 
     def __post_init__(self) -> None:
         for name in ("top_k", "device_buffer_size", "host_to_device_ratio"):

@@ -135,6 +135,6 @@ def test_bad_hisparse_config_names_the_problem(value, field):
 
 def test_config_defaults_follow_the_reference():
     config = HiSparseConfig.parse('{"top_k": 2048}')
-    assert config.device_buffer_size == 4096 and config.eviction_policy == "lru"
+    assert config.device_buffer_size == 4096 and config.eviction_policy == "score_lru"
     with pytest.raises(ValueError, match="enable_hisparse"):
         EngineConfig(hisparse_config={"top_k": 8})
