@@ -21,6 +21,7 @@ from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.default_model import default_model_path
 from hisparse.models.loader import load_llama
 from hisparse.models.tokenizer import Tokenizer
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     try:
         mc = model.config  # baseline device bytes per token: float32 K and V, plus the FP8 indexer key
-        per_token = mc.num_layers * (2 * mc.kv_size * 4 + model.indexer_config.head_dim + 4)
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        per_token = layout.baseline_bytes_per_token(model.indexer_config.head_dim)
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
         baseline_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests),
                                     model=model, tokenizer=tokenizer)

@@ -49,15 +49,13 @@ from numba import njit, prange  # noqa: E402
 
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace  # noqa: E402
 from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy  # noqa: E402
+from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K  # noqa: E402
 
 OPTIMUM = "optimum"
 POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compared
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
 CHALLENGER = ScoreLRUPolicy.name  # the policy whose share of LRU's gap each row reports
-# Runners-up recorded per step: score_lru reads NEXT_RANKS_PER_SPARE_SLOT x (buffer - top_k) of them, which
-# is 4 x top_k at 3x top_k with the default 2 per spare slot.
-RECORDED_NEXT_PER_TOP_K = 4
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
 
@@ -416,7 +414,7 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
-    num_next = RECORDED_NEXT_PER_TOP_K * top_k  # traces without as many next ranks are not reused
+    num_next = TRACE_NEXT_PER_TOP_K * top_k  # traces without as many next ranks are not reused
     paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{i}of{num_requests}.npz"
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
@@ -454,7 +452,6 @@ def record_batch(paths: list[Path], missing: list[int], split: str, num_requests
                                     max_running_requests=len(missing)))
     if engine.cache.sparse is None:
         raise ValueError("the model has no lightning indexer: there is no top-k to record")
-    engine.cache.sparse.trace_next_ranks = RECORDED_NEXT_PER_TOP_K * top_k
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     requests = {i: engine.add_request(prompt_ids(engine.tokenizer, split, i, num_requests, context), params,
                                       request_id=f"{split}-{i}", record_topk=True) for i in missing}

@@ -39,6 +39,8 @@ from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
 from hisparse.bench.serving_server import ServerProcess, wait_ready
+from hisparse.memory.paged_kv_cache import KVLayout
+from hisparse.server.args import positive_int, size_flag
 
 MODES = ("baseline", "hisparse")
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
@@ -57,36 +59,17 @@ def parse_concurrency(text: str) -> list[int]:
     return levels
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _size(text: str) -> int:
-    from hisparse.server.args import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hisparse.bench_serving", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency("1,4,16"),
                     help="comma-separated levels (default 1,4,16)")
-    ap.add_argument("--prompt-tokens", type=_positive_int, default=1536)
-    ap.add_argument("--output-tokens", type=_positive_int, default=192)
-    ap.add_argument("--rounds", type=_positive_int, default=1, help="requests per level = rounds x concurrency")
-    ap.add_argument("--baseline-admits", type=_positive_int, default=4,
+    ap.add_argument("--prompt-tokens", type=positive_int, default=1536)
+    ap.add_argument("--output-tokens", type=positive_int, default=192)
+    ap.add_argument("--rounds", type=positive_int, default=1, help="requests per level = rounds x concurrency")
+    ap.add_argument("--baseline-admits", type=positive_int, default=4,
                     help="size the default device budget so that the baseline holds this many requests at once")
-    ap.add_argument("--device-kv-budget", type=_size, default=None,
+    ap.add_argument("--device-kv-budget", type=size_flag, default=None,
                     help="bytes or e.g. 320MiB; overrides --baseline-admits")
     ap.add_argument("--hisparse-config", default=DEFAULT_HISPARSE_CONFIG,
                     help="JSON for the HiSparse server; its top_k is given to both servers")
@@ -97,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 # -- sizing -------------------------------------------------------------------------------------------
 
 
-def default_model_shape(reader) -> tuple[int, int, int, int]:
-    """(layers, K+V values per token per layer, indexer key dim, context length) of the default model, read
-    from its GGUF header and the shipped indexer's metadata without loading any weights."""
+def default_model_shape(reader) -> tuple[KVLayout, int, int]:
+    """(float32 K/V layout, indexer key dim, context length) of the default model, read from its GGUF header
+    and the shipped indexer's metadata without loading any weights."""
     from safetensors import safe_open
 
     from hisparse.layers.indexer import SHIPPED_WEIGHTS, IndexerConfig
@@ -111,13 +94,8 @@ def default_model_shape(reader) -> tuple[int, int, int, int]:
                                 "run `python -m hisparse.train_indexer`")
     with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
         index_dim = IndexerConfig.from_json(f.metadata()["indexer_config"]).head_dim
-    return config.num_layers, config.kv_row_size, index_dim, config.max_position_embeddings
-
-
-def baseline_bytes_per_token(layers: int, kv_row_size: int, index_dim: int) -> int:
-    """What one token costs the baseline on the device, as the server sizes it (PagedKVCache.from_budget):
-    float32 K and V in every layer plus the FP8 indexer key (index_dim e4m3 bytes and a float32 scale)."""
-    return layers * (kv_row_size * 4 + index_dim + 4)
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim)
+    return layout, index_dim, config.max_position_embeddings
 
 
 def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int, max_running: int) -> int:
@@ -189,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         reader = gguf.GGUFReader(str(default_model_path()))  # seconds: it indexes the whole vocabulary
-        layers, kv_row_size, index_dim, max_context = default_model_shape(reader)
+        layout, index_dim, max_context = default_model_shape(reader)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     request_tokens = args.prompt_tokens + args.output_tokens
     if request_tokens > max_context:
         return _fail(f"--prompt-tokens + --output-tokens = {request_tokens} exceeds the model's context "
                      f"({max_context} tokens)")
-    per_token = baseline_bytes_per_token(layers, kv_row_size, index_dim)
+    per_token = layout.baseline_bytes_per_token(index_dim)  # what the baseline server pays per token
     budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
     levels = args.concurrency
     max_running = max(levels)

@@ -19,6 +19,23 @@ def _series(rows: list[dict], mode: str, key: str, scale: float = 1.0) -> tuple[
     return [c for c, _ in picked], [v * scale for _, v in picked]
 
 
+def _concurrency_axes(ax, levels: list[int], xlabel: str, ylabel: str, title: str) -> None:
+    """Concurrency on a log2 axis with a tick per measured level; the value axis from zero."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_throughput(rows: list[dict], admitted: dict[str, int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode, style in STYLE.items():
@@ -26,38 +43,22 @@ def plot_throughput(rows: list[dict], admitted: dict[str, int], path: Path) -> N
         if x:
             ax.plot(x, y, **style)
             ax.axvline(admitted[mode], color=style["color"], linestyle=":", linewidth=1)
-    ax.set_xscale("log", base=2)
-    levels = sorted({r["concurrency"] for r in rows})
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set_xlabel("concurrent requests (dotted: how many each mode admits)")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Output throughput, same device KV budget")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
+    _concurrency_axes(ax, sorted({r["concurrency"] for r in rows}),
+                      "concurrent requests (dotted: how many each mode admits)", "output tokens / s",
+                      "Output throughput, same device KV budget")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_latency(rows: list[dict], path: Path) -> None:
     fig, (ttft, itl) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in STYLE.items():
-        for ax, key, scale in ((ttft, "ttft_median_s", 1.0), (itl, "itl_median_s", 1000.0)):
+    levels = sorted({r["concurrency"] for r in rows})
+    for ax, key, scale, title, unit in ((ttft, "ttft_median_s", 1.0, "Time to first token (median)", "s"),
+                                        (itl, "itl_median_s", 1000.0, "Inter-token latency (median)", "ms")):
+        for mode, style in STYLE.items():
             x, y = _series(rows, mode, key, scale)
             if x:
                 ax.plot(x, y, **style)
-    levels = sorted({r["concurrency"] for r in rows})
-    for ax, title, unit in ((ttft, "Time to first token (median)", "s"),
-                            (itl, "Inter-token latency (median)", "ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        _concurrency_axes(ax, levels, "concurrent requests", unit, title)
     ttft.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

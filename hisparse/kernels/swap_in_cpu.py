@@ -213,17 +213,34 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         page_table[b, j] = device_rows[r, s]
 
     # The new order.
-    if policy == _LRU:
+    if policy == _LRU or policy == _SCORE_LRU:
+        # LRU's: untouched evictables, then the loaded slots, then the hits (for lru the victims are the
+        # oldest evictables, so the untouched ones are evictable[n_miss:]).
         k = 0
-        for i in range(n_miss, n_evictable):
-            lru[r, k] = evictable[i]
-            k += 1
+        for i in range(n_evictable):
+            if pinned[evictable[i]] == 0:
+                lru[r, k] = evictable[i]
+                k += 1
         for i in range(n_miss):
-            lru[r, k] = evictable[i]
+            lru[r, k] = victims[i]
             k += 1
         for i in range(n_hits):
             lru[r, k] = hits[i]
             k += 1
+        if policy == _SCORE_LRU:  # ... stably sorted by descending new age
+            for i in range(n_miss):
+                new_age[victims[i]] = min(load_steps * unit, limit)
+            for i in range(n_hits):
+                new_age[hits[i]] = 0
+            base = lru[r].copy()
+            older_first = np.empty(num_slots, np.int64)
+            for i in range(num_slots):
+                older_first[i] = -new_age[base[i]]
+            ranked = np.argsort(older_first, kind="mergesort")
+            for i in range(num_slots):
+                lru[r, i] = base[ranked[i]]
+            for s in range(num_slots):
+                age[r, s] = new_age[s]
     elif policy == _FIFO:
         old = lru[r].copy()
         k = 0
@@ -234,30 +251,6 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         for i in range(n_miss):
             lru[r, k] = evictable[i]
             k += 1
-    elif policy == _SCORE_LRU:
-        # LRU's new order (untouched evictables, loaded, hits), stably sorted by descending new age.
-        base = np.empty(num_slots, np.int32)
-        k = 0
-        for i in range(n_evictable):
-            if pinned[evictable[i]] == 0:
-                base[k] = evictable[i]
-                k += 1
-        for i in range(n_miss):
-            base[k] = victims[i]
-            new_age[victims[i]] = min(load_steps * unit, limit)
-            k += 1
-        for i in range(n_hits):
-            base[k] = hits[i]
-            new_age[hits[i]] = 0
-            k += 1
-        older_first = np.empty(num_slots, np.int64)
-        for i in range(num_slots):
-            older_first[i] = -new_age[base[i]]
-        ranked = np.argsort(older_first, kind="mergesort")
-        for i in range(num_slots):
-            lru[r, i] = base[ranked[i]]
-        for s in range(num_slots):
-            age[r, s] = new_age[s]
     elif hand != 0:
         old = lru[r].copy()
         for i in range(num_slots):

@@ -40,11 +40,21 @@ class KVLayout:
         """Device bytes of one token's K/V across all layers."""
         return self.num_layers * self.row_size * torch.tensor([], dtype=self.dtype).element_size()
 
+    def baseline_bytes_per_token(self, index_dim: int | None = None) -> int:
+        """What one token costs the baseline's device pool: its K/V in every layer plus, with an indexer of
+        key size `index_dim`, its FP8 index key (index_dim e4m3 bytes and a float32 scale) in every layer."""
+        return self.bytes_per_token + (0 if index_dim is None else self.num_layers * (index_dim + 4))
+
 
 @dataclass
 class PagedAllocation:
     slots: torch.Tensor  # int64 [max_total_tokens]: pool row of each position
     index_slots: torch.Tensor | None = None  # int64 [max_total_tokens]: indexer-key slot of each position
+
+
+# Runners-up a recorded decode step keeps per top_k position: score_lru reads 2 per spare slot, which is
+# 4 x top_k at a buffer of 3 x top_k, the largest the miss-rate benchmark replays.
+TRACE_NEXT_PER_TOP_K = 4
 
 
 @dataclass
@@ -55,11 +65,11 @@ class SparseDecode:
     enabled: bool = True
     top_k: int = 256
     dense_layers: tuple[int, ...] = ()
-    trace_next_ranks: int | None = None  # runners-up a recorded step keeps; None: 4 x top_k (what score_lru reads)
+    trace_next_ranks: int | None = None  # runners-up a recorded step keeps; None: TRACE_NEXT_PER_TOP_K x top_k
 
     @property
     def recorded_next_ranks(self) -> int:
-        return 4 * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks
+        return TRACE_NEXT_PER_TOP_K * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks
 
     def sparse_in(self, layer: int) -> bool:
         return self.enabled and layer not in self.dense_layers
@@ -80,7 +90,7 @@ class PagedKVCache:
     def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu",
                     sparse: SparseDecode | None = None):
         """As many token slots as the budget buys; with an indexer each token also costs its index keys."""
-        per_token = layout.bytes_per_token + (0 if sparse is None else layout.num_layers * (sparse.index_dim + 4))
+        per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_dim)
         return cls(layout, budget_bytes // per_token, scale, device, sparse)
 
     @property

@@ -84,7 +84,8 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -104,7 +105,8 @@ def _port(text: str) -> int:
     return value
 
 
-def _size(text: str) -> int:
+def size_flag(text: str) -> int:
+    """argparse type: bytes or a size such as 512MiB (`parse_size`)."""
     try:
         return parse_size(text)
     except ValueError as error:
@@ -127,15 +129,15 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help='JSON, e.g. \'{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 8, '
                          '"eviction_policy": "score_lru"}\'; eviction_policy: score_lru (default), lru, fifo '
                          'or clock')
-    ap.add_argument("--max-running-requests", type=_positive_int, default=d.max_running_requests)
-    ap.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
+    ap.add_argument("--max-running-requests", type=positive_int, default=d.max_running_requests)
+    ap.add_argument("--max-queued-requests", type=positive_int, default=d.max_queued_requests,
                     help="requests allowed to wait for a running slot; more get HTTP 429 at once")
-    ap.add_argument("--chunked-prefill-size", type=_positive_int, default=d.chunked_prefill_size,
+    ap.add_argument("--chunked-prefill-size", type=positive_int, default=d.chunked_prefill_size,
                     help="tokens per step (decodes first, then prompt chunks)")
-    ap.add_argument("--device-kv-budget", type=_size, default=d.device_kv_budget,
+    ap.add_argument("--device-kv-budget", type=size_flag, default=d.device_kv_budget,
                     help="device memory for the KV cache: bytes or e.g. 512MiB, 2GiB (default: 1 GiB on the "
                          "CPU, 85%% of free GPU memory less the weights on a GPU)")
-    ap.add_argument("--top-k", type=_positive_int, default=d.top_k, help="tokens each sparse decode step attends to")
+    ap.add_argument("--top-k", type=positive_int, default=d.top_k, help="tokens each sparse decode step attends to")
     ap.add_argument("--disable-sparse-attention", action="store_true",
                     help="decode densely even when the model has an indexer")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)

@@ -22,19 +22,25 @@ def brute_force_scores(cache, layer, q, w, slots, length):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def random_batch(lengths, heads, seed, layer):
+    """A cache whose `layer` holds random keys for a batch of requests of these lengths, and a random
+    indexer query and head weights per request: (cache, slots [B, width], q, w, lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    b, width = len(lengths), max(lengths)
+    cache = IndexerKeyCache(layer + 1, 200, D)
+    slots = torch.stack([torch.from_numpy(cache.allocator.allocate(width)) for _ in range(b)])
+    for row in range(b):
+        cache.write(layer, slots[row], torch.randn(width, D, generator=g))
+    q, w = torch.randn(b, heads, D, generator=g), torch.randn(b, heads, generator=g)
+    return cache, slots, q, w, torch.tensor(lengths)
+
+
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), top_k=st.integers(1, 48),
        heads=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_select_matches_brute_force(lengths, top_k, heads, seed):
-    g = torch.Generator().manual_seed(seed)
-    b, width = len(lengths), max(lengths)
-    cache = IndexerKeyCache(2, 200, D)
-    slots = torch.stack([torch.from_numpy(cache.allocator.allocate(width)) for _ in range(b)])
-    for row in range(b):
-        cache.write(1, slots[row], torch.randn(width, D, generator=g))
-    q = torch.randn(b, heads, D, generator=g)
-    w = torch.randn(b, heads, generator=g)
-    lengths_t = torch.tensor(lengths)
+    cache, slots, q, w, lengths_t = random_batch(lengths, heads, seed, layer=1)
+    b, width = slots.shape
     picked = cache.select(1, q, w, slots, lengths_t, top_k)
     assert picked.shape == (b, min(top_k, width)) and picked.dtype == torch.int64
     for row, length in enumerate(lengths):
@@ -81,15 +87,8 @@ def test_selection_works_in_positions_not_slots():
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), top_k=st.integers(1, 24),
        num_next=st.integers(0, 30), seed=st.integers(0, 2**16))
 def test_select_with_next_ranks_the_runners_up_and_selects_exactly_as_select(lengths, top_k, num_next, seed):
-    g = torch.Generator().manual_seed(seed)
-    b, width = len(lengths), max(lengths)
-    cache = IndexerKeyCache(1, 200, D)
-    slots = torch.stack([torch.from_numpy(cache.allocator.allocate(width)) for _ in range(b)])
-    for row in range(b):
-        cache.write(0, slots[row], torch.randn(width, D, generator=g))
-    q = torch.randn(b, 2, D, generator=g)
-    w = torch.randn(b, 2, generator=g)
-    lengths_t = torch.tensor(lengths)
+    cache, slots, q, w, lengths_t = random_batch(lengths, 2, seed, layer=0)
+    b = slots.shape[0]
     picked, following = cache.select_with_next(0, q, w, slots, lengths_t, top_k, num_next)
     assert torch.equal(picked, cache.select(0, q, w, slots, lengths_t, top_k))
     assert following.shape == (b, num_next) and following.dtype == torch.int64
