@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [heldout_tokens(tokenizer, args.prompt_tokens, offset=97 * i) for i in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     try:
-        mc = model.config  # baseline device bytes per token: float32 K and V, plus the FP8 indexer key
+        mc = model.config  # baseline device bytes per token: float32 K and V, plus the indexer key
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
-        per_token = layout.baseline_bytes_per_token(model.indexer_config.head_dim)
+        per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
         baseline_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests),
                                     model=model, tokenizer=tokenizer)

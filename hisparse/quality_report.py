@@ -60,7 +60,7 @@ class ForcedSequenceBackend:
         self.dense_layers = set(dense_layers)
         self.k: list[torch.Tensor | None] = [None] * self.num_layers
         self.v: list[torch.Tensor | None] = [None] * self.num_layers
-        self.index = IndexerKeyCache(self.num_layers, max_len, model.indexer_config.head_dim)
+        self.index = IndexerKeyCache(self.num_layers, max_len, model.indexer_config.key_layout)
         self.length = 0
         self.sparse = False
         self.oracle = False  # sparse attention over the true top_k instead of the indexer's

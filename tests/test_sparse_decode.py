@@ -15,10 +15,12 @@ from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.request import Request
 from hisparse.engine.topk_trace import load_topk_trace, save_topk_trace, trace_from_request
+from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 from hisparse.memory.rows import split_kv
 
 HQ, HKV, D, HI, DI = 4, 2, 16, 3, 64
+INDEX_KEY = IndexKeyFormat("int8", DI)
 
 
 def _random_step(cache, spans, gen):
@@ -39,7 +41,7 @@ def _random_step(cache, spans, gen):
 def _cache_with_prompts(prompt_lens, top_k, enabled=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     layout = KVLayout(num_layers=2, num_kv_heads=HKV, head_dim=D)
-    cache = PagedKVCache(layout, 512, D ** -0.5, sparse=SparseDecode(DI, enabled, top_k))
+    cache = PagedKVCache(layout, 512, D ** -0.5, sparse=SparseDecode(INDEX_KEY, enabled, top_k))
     requests = [Request(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in prompt_lens]
     for r in requests:
         cache.admit(r)
@@ -78,8 +80,9 @@ def test_context_within_top_k_is_bitwise_dense():
 
 def test_dense_layers_and_the_off_switch_decode_densely():
     outs = {}
-    for name, sparse in {"off": SparseDecode(DI, False, 4), "dense_layers": SparseDecode(DI, True, 4, (0, 1)),
-                         "on": SparseDecode(DI, True, 4)}.items():
+    for name, sparse in {"off": SparseDecode(INDEX_KEY, False, 4),
+                         "dense_layers": SparseDecode(INDEX_KEY, True, 4, (0, 1)),
+                         "on": SparseDecode(INDEX_KEY, True, 4)}.items():
         gen = torch.Generator().manual_seed(5)
         cache = PagedKVCache(KVLayout(2, HKV, D), 128, D ** -0.5, sparse=sparse)
         r = Request(list(range(1, 31)), SamplingParams(max_tokens=2))

@@ -93,9 +93,9 @@ def default_model_shape(reader) -> tuple[KVLayout, int, int]:
         raise FileNotFoundError(f"the default model's indexer weights are missing ({SHIPPED_WEIGHTS}); "
                                 "run `python -m hisparse.train_indexer`")
     with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
-        index_dim = IndexerConfig.from_json(f.metadata()["indexer_config"]).head_dim
+        index_key = IndexerConfig.from_json(f.metadata()["indexer_config"]).key_layout
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim)
-    return layout, index_dim, config.max_position_embeddings
+    return layout, index_key, config.max_position_embeddings
 
 
 def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int, max_running: int) -> int:
@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         reader = gguf.GGUFReader(str(default_model_path()))  # seconds: it indexes the whole vocabulary
-        layout, index_dim, max_context = default_model_shape(reader)
+        layout, index_key, max_context = default_model_shape(reader)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     request_tokens = args.prompt_tokens + args.output_tokens
     if request_tokens > max_context:
         return _fail(f"--prompt-tokens + --output-tokens = {request_tokens} exceeds the model's context "
                      f"({max_context} tokens)")
-    per_token = layout.baseline_bytes_per_token(index_dim)  # what the baseline server pays per token
+    per_token = layout.baseline_bytes_per_token(index_key)  # what the baseline server pays per token
     budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
     levels = args.concurrency
     max_running = max(levels)

@@ -49,7 +49,7 @@ class LLMEngine:
         if self.config.enable_hisparse:
             if sparse is None or sparse.dense_layers:
                 raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
-            self.cache = HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_dim,
+            self.cache = HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_key,
                                          self.config.max_running_requests, self.max_model_len,
                                          self.model.attention_scale, self.config.device, self.config.swap_in_backend)
         else:
@@ -70,7 +70,7 @@ class LLMEngine:
         bad = [layer for layer in dense if layer >= self.model.config.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} out of range: the model has {self.model.config.num_layers} layers")
-        return SparseDecode(indexer.head_dim, self.config.sparse_attention, self.config.top_k, tuple(dense))
+        return SparseDecode(indexer.key_layout, self.config.sparse_attention, self.config.top_k, tuple(dense))
 
     # -- requests -------------------------------------------------------------------------------
 

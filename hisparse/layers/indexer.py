@@ -12,8 +12,10 @@ exactly a RoPE of `rope_dim` dims with the same theta, so the indexer needs no t
 
 The projections, the score and the causal top-k are the DSA indexer's (`dsa_indexer`): only the query
 input differs (x here, the q latent there). The default sizes (4 heads of 64, RoPE on 32) keep the
-key 68 bytes per token per layer in FP8 (64 e4m3 + one fp32 scale), 1/11 of SmolLM2's 768-byte bf16
-K+V; `hisparse.train_indexer` trains them, `hisparse/weights/smollm2_indexer.safetensors` ships them.
+key cache at 68 bytes per token per layer (64 int8 and one fp32 scale), 1/22 of SmolLM2's float32
+K+V (1/11 of bf16); `key_format` "fp8" (the same bytes, as DSA stores it) is the choice for a GPU,
+see `IndexKeyFormat`.
+`hisparse.train_indexer` trains them, `hisparse/weights/smollm2_indexer.safetensors` ships them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from hisparse.layers.dsa_indexer import LightningIndexer, index_scores, select_topk
+from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_scores, select_topk
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2_indexer.safetensors"
 
@@ -39,6 +41,11 @@ class IndexerConfig:
     rope_dim: int = 32
     top_k: int = 256
     dense_layers: list[int] = field(default_factory=list)  # layers whose decode should stay dense
+    key_format: str = "int8"  # how the key cache stores a key (an IndexKeyFormat kind)
+
+    @property
+    def key_layout(self) -> IndexKeyFormat:
+        return IndexKeyFormat(self.key_format, self.head_dim)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

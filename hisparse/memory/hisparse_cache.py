@@ -13,6 +13,7 @@ import torch
 from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
 from hisparse.layers.attention import causal_attention, decode_attention
+from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 from hisparse.memory.paged_kv_cache import KVLayout
@@ -20,10 +21,10 @@ from hisparse.memory.rows import gather_rows, split_kv
 
 
 class HiSparseKVCache(HiSparsePools):
-    def __init__(self, layout: KVLayout, config: HiSparseConfig, budget_bytes: int, index_dim: int,
+    def __init__(self, layout: KVLayout, config: HiSparseConfig, budget_bytes: int, index_key: IndexKeyFormat,
                  max_requests: int, max_context: int, scale: float, device: str = "cpu",
                  swap_in_backend: str = "auto") -> None:
-        super().__init__(layout.num_layers, layout.row_size, layout.dtype, index_dim, config, budget_bytes,
+        super().__init__(layout.num_layers, layout.row_size, layout.dtype, index_key, config, budget_bytes,
                          max_requests, max_context, device, swap_in_backend)
         self.layout = layout
         self.scale = scale

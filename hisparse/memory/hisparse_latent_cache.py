@@ -39,7 +39,7 @@ class HiSparseLatentCache(HiSparsePools):
         if index_format.kind != "fp8":
             raise ValueError(f"HiSparse keeps the indexer keys on the device in the FP8 layout "
                              f"({index_format.head_dim} e4m3 + an fp32 scale); got index format {index_format.kind!r}")
-        super().__init__(num_layers, latent_format.row_bytes, torch.uint8, index_format.head_dim, config,
+        super().__init__(num_layers, latent_format.row_bytes, torch.uint8, index_format, config,
                          budget_bytes, max_sequences, max_context, device, swap_in_backend)
         self.latent_format = latent_format
         self.index_format = self.index_cache.format

@@ -108,10 +108,10 @@ class HiSparsePools:
     """Device hot buffers, host pool, indexer keys, slot tables, eviction policies and counters.
 
     Rows are `row_width` elements of `row_dtype` per token per layer; indexer keys are FP8 rows of
-    `index_dim` dims. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
+    `index_key` rows. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
     """
 
-    def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_dim: int,
+    def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
                  config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
                  device: str = "cpu", swap_in_backend: str = "auto") -> None:
         self.num_layers = num_layers
@@ -120,7 +120,7 @@ class HiSparsePools:
         self.swap_in_backend = swap_in_backend
         self.max_context = max_context
         self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
-        self.index_row_bytes = IndexKeyFormat("fp8", index_dim).row_bytes
+        self.index_row_bytes = index_key.row_bytes
         ratio = config.host_to_device_ratio
         self.cell_bytes = num_layers * (self.row_bytes + ratio * self.index_row_bytes)
         self.device_slots = budget_bytes // self.cell_bytes
@@ -134,7 +134,7 @@ class HiSparsePools:
         # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and
         # touching gigabytes of fresh pages would cost seconds at start-up.
         self.host_kv = torch.empty(num_layers, self.logical_capacity, row_width, dtype=row_dtype, pin_memory=pin)
-        self.index_cache = IndexerKeyCache(num_layers, self.logical_capacity, index_dim, device=device)
+        self.index_cache = IndexerKeyCache(num_layers, self.logical_capacity, index_key, device=device)
         self.device_allocator = SlotAllocator(self.device_slots)
         self.host_allocator = SlotAllocator(self.logical_capacity)
         self.row_allocator = SlotAllocator(max_requests)

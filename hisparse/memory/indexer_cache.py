@@ -1,10 +1,11 @@
 """The lightning indexer's key cache: every token's index key of every layer, always on the device.
 
 Under HiSparse the big K/V rows of old tokens live in the host pool, but selection must score every
-past token each decode step, so the indexer keys of all tokens stay on the device. They are stored as
-DSA stores them: the Hadamard-rotated key in e4m3 with one fp32 scale (68 bytes for 64 dims), and the
-query goes through the same rotation and quantization before scoring (`IndexKeyFormat` of the DSA
-indexer). A request owns one slot per position it may ever hold; `select` works in positions.
+past token each decode step, so the indexer keys of all tokens stay on the device. Each is one row of an
+`IndexKeyFormat`: for DSA models as DSA stores them (the Hadamard-rotated key in e4m3 with one fp32
+scale, the query rotated and quantized the same way before scoring), for the default model in int8
+with one fp32 scale (the same 68 bytes for 64 dims, and 20x cheaper to widen on a CPU).
+A request owns one slot per position it may ever hold; `select` works in positions.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ _NEWEST = float("inf")
 
 
 class IndexerKeyCache:
-    """Per-token lightning-indexer keys of every layer, FP8 (e4m3) + one fp32 scale per token."""
+    """Per-token lightning-indexer keys of every layer, one `key_format` row per token per layer."""
 
-    def __init__(self, num_layers: int, num_slots: int, index_dim: int, device="cpu") -> None:
+    def __init__(self, num_layers: int, num_slots: int, key_format: IndexKeyFormat, device="cpu") -> None:
         self.num_layers = num_layers
-        self.index_dim = index_dim
-        self.format = IndexKeyFormat("fp8", index_dim)
+        self.index_dim = key_format.head_dim
+        self.format = key_format
         self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
         self.allocator = SlotAllocator(num_slots)
 
@@ -37,16 +38,17 @@ class IndexerKeyCache:
         self.rows[layer].index_copy_(0, slots, self.format.pack(keys))
 
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The dequantized keys at `slots` (any shape) -> [*slots.shape, index_dim] float32, in the Hadamard
-        basis they are stored in (score them with `format.prepare_query(q)`)."""
+        """The keys at `slots` (any shape) -> [*slots.shape, index_dim] float32, in the basis they are stored
+        in (score them with `format.prepare_query(q)`)."""
         return self.format.unpack(gather_rows(self.rows[layer], slots))
 
     def scores(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """I[b, p] = sum_h w[b, h] * ReLU(q[b, h] . k[slots[b, p]]): [B, L] for q [B, H, d], w [B, H]."""
-        keys = self.keys(layer, slots)  # [B, L, d]
+        keys, scale = self.format.unpack_unscaled(gather_rows(self.rows[layer], slots))  # [B, L, d], [B, L]
         q = self.format.prepare_query(index_q)
         per_head = torch.bmm(q, keys.transpose(1, 2)).relu_()  # [B, H, L]
-        return torch.bmm(index_w.float().unsqueeze(1), per_head).squeeze(1)
+        scores = torch.bmm(index_w.float().unsqueeze(1), per_head).squeeze(1)
+        return scores if scale is None else scores.mul_(scale)
 
     def select(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor,
                lengths: torch.Tensor, top_k: int) -> torch.Tensor:

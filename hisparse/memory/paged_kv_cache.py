@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
 from hisparse.layers.attention import causal_attention, decode_attention
+from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.indexer_cache import IndexerKeyCache
 from hisparse.memory.rows import gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -40,10 +41,10 @@ class KVLayout:
         """Device bytes of one token's K/V across all layers."""
         return self.num_layers * self.row_size * torch.tensor([], dtype=self.dtype).element_size()
 
-    def baseline_bytes_per_token(self, index_dim: int | None = None) -> int:
-        """What one token costs the baseline's device pool: its K/V in every layer plus, with an indexer of
-        key size `index_dim`, its FP8 index key (index_dim e4m3 bytes and a float32 scale) in every layer."""
-        return self.bytes_per_token + (0 if index_dim is None else self.num_layers * (index_dim + 4))
+    def baseline_bytes_per_token(self, index_key: IndexKeyFormat | None = None) -> int:
+        """What one token costs the baseline's device pool: its K/V in every layer plus, with an indexer,
+        its index key row in every layer."""
+        return self.bytes_per_token + (0 if index_key is None else self.num_layers * index_key.row_bytes)
 
 
 @dataclass
@@ -61,7 +62,7 @@ TRACE_NEXT_PER_TOP_K = 4
 class SparseDecode:
     """How decode uses the indexer: top_k positions per step, except in `dense_layers` or when off."""
 
-    index_dim: int
+    index_key: IndexKeyFormat
     enabled: bool = True
     top_k: int = 256
     dense_layers: tuple[int, ...] = ()
@@ -84,13 +85,13 @@ class PagedKVCache:
         self.allocator = SlotAllocator(num_slots)
         self.sparse = sparse
         self.index_cache = None if sparse is None else IndexerKeyCache(layout.num_layers, num_slots,
-                                                                       sparse.index_dim, device)
+                                                                       sparse.index_key, device)
 
     @classmethod
     def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu",
                     sparse: SparseDecode | None = None):
         """As many token slots as the budget buys; with an indexer each token also costs its index keys."""
-        per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_dim)
+        per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_key)
         return cls(layout, budget_bytes // per_token, scale, device, sparse)
 
     @property

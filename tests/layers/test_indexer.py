@@ -75,7 +75,8 @@ def test_index_key_is_at_most_a_fifth_of_the_kv_bytes(llama):
 
     mc = llama.config
     kv_bf16 = 2 * mc.num_kv_heads * mc.head_dim * 2  # 768 bytes per token per layer
-    cache = IndexerKeyCache(mc.num_layers, 4, llama.indexer_config.head_dim)
+    cache = IndexerKeyCache(mc.num_layers, 4, llama.indexer_config.key_layout)
+    assert llama.indexer_config.key_format == "int8"
     assert cache.bytes_per_token == mc.num_layers * 68
     assert cache.bytes_per_token / mc.num_layers <= kv_bf16 / 5
 

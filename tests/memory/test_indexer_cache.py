@@ -1,4 +1,4 @@
-"""IndexerKeyCache: FP8 key rows, and select() against a brute-force reference."""
+"""IndexerKeyCache: FP8 and int8 key rows, and select() against a brute-force reference."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse.layers.dsa_indexer import hadamard
+from hisparse.layers.dsa_indexer import IndexKeyFormat, hadamard
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 D = 64
+FP8, INT8 = IndexKeyFormat("fp8", D), IndexKeyFormat("int8", D)
 
 
 def brute_force_scores(cache, layer, q, w, slots, length):
@@ -22,12 +23,12 @@ def brute_force_scores(cache, layer, q, w, slots, length):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def random_batch(lengths, heads, seed, layer):
+def random_batch(lengths, heads, seed, layer, key_format=FP8):
     """A cache whose `layer` holds random keys for a batch of requests of these lengths, and a random
     indexer query and head weights per request: (cache, slots [B, width], q, w, lengths)."""
     g = torch.Generator().manual_seed(seed)
     b, width = len(lengths), max(lengths)
-    cache = IndexerKeyCache(layer + 1, 200, D)
+    cache = IndexerKeyCache(layer + 1, 200, key_format)
     slots = torch.stack([torch.from_numpy(cache.allocator.allocate(width)) for _ in range(b)])
     for row in range(b):
         cache.write(layer, slots[row], torch.randn(width, D, generator=g))
@@ -37,9 +38,9 @@ def random_batch(lengths, heads, seed, layer):
 
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), top_k=st.integers(1, 48),
-       heads=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_select_matches_brute_force(lengths, top_k, heads, seed):
-    cache, slots, q, w, lengths_t = random_batch(lengths, heads, seed, layer=1)
+       heads=st.integers(1, 4), seed=st.integers(0, 2**16), fp8=st.booleans())
+def test_select_matches_brute_force(lengths, top_k, heads, seed, fp8):
+    cache, slots, q, w, lengths_t = random_batch(lengths, heads, seed, layer=1, key_format=FP8 if fp8 else INT8)
     b, width = slots.shape
     picked = cache.select(1, q, w, slots, lengths_t, top_k)
     assert picked.shape == (b, min(top_k, width)) and picked.dtype == torch.int64
@@ -60,7 +61,7 @@ def test_select_matches_brute_force(lengths, top_k, heads, seed):
 
 
 def test_keys_survive_fp8_with_small_error_and_68_bytes():
-    cache = IndexerKeyCache(3, 16, D)
+    cache = IndexerKeyCache(3, 16, FP8)
     assert cache.rows.shape == (3, 16, 68) and cache.bytes_per_token == 3 * 68
     keys = torch.randn(16, D)
     cache.write(2, torch.arange(16), keys)
@@ -71,8 +72,21 @@ def test_keys_survive_fp8_with_small_error_and_68_bytes():
     assert cache.rows[0].abs().sum() == 0, "other layers untouched"
 
 
+def test_keys_survive_int8_within_half_a_step_and_68_bytes():
+    cache = IndexerKeyCache(2, 16, INT8)
+    assert cache.rows.shape == (2, 16, 68) and cache.bytes_per_token == 2 * 68
+    keys = torch.randn(16, D)
+    keys[3] = 0.0  # an all-zero key stays zero (no division by a zero scale)
+    cache.write(1, torch.arange(16), keys)
+    back = cache.keys(1, torch.arange(16))
+    step = keys.abs().amax(dim=-1, keepdim=True) / 127  # no rotation: the key itself, rounded to its step
+    assert back.dtype == torch.float32 and ((back - keys).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(back[3], keys[3])
+    assert torch.equal(cache.format.prepare_query(keys), keys)
+
+
 def test_selection_works_in_positions_not_slots():
-    cache = IndexerKeyCache(1, 64, D)
+    cache = IndexerKeyCache(1, 64, INT8)
     slots = torch.tensor([[40, 3, 17, 9, 60]])
     keys = torch.zeros(5, D)
     keys[2, 0] = 10.0  # position 2 (slot 17) is the only key that matches the query
