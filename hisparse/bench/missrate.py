@@ -36,20 +36,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # see hisparse/kernels/swap_in_cpu.py
+import numpy as np
+from numba import njit, prange
 
-import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
+from hisparse.kernels.numba_threads import choose_threading_layer
+from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy
+from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K
 
-from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace  # noqa: E402
-from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy  # noqa: E402
-from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K  # noqa: E402
+choose_threading_layer()
 
 OPTIMUM = "optimum"
 POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compared

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numba
 import torch
 
+from hisparse.kernels.numba_threads import choose_threading_layer
 from hisparse.kernels.swap_in import swap_in
 from hisparse.memory.eviction import new_slot_tables, reset_row
 
@@ -124,10 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--copy-mib", type=int, default=256, help="plain-copy buffer, MiB")
     parser.add_argument("--backends", default="cpu,reference", help="comma list of swap-in backends")
     parser.add_argument("--threading-layer", default=None,
-                        help="numba threading layer (omp, workqueue, tbb); default: numba's choice")
+                        help="numba threading layer (omp, workqueue, tbb); default: "
+                             "hisparse.kernels.numba_threads' choice")
     args = parser.parse_args(argv)
     if args.threading_layer:
         numba.config.THREADING_LAYER = args.threading_layer
+    else:
+        choose_threading_layer()
     if args.top_k > args.buffer:
         parser.error("--top-k must not exceed --buffer")
     batches = [int(x) for x in args.batches.split(",")]
