@@ -53,17 +53,18 @@ class HiSparseAttention:
         self.cache = cache
         self.host_write = torch.cat([torch.from_numpy(s.request.kv.host_rows[s.start:s.end]) for s in batch.spans])
         self.index_write = torch.cat([torch.from_numpy(s.request.kv.index_slots[s.start:s.end])
-                                      for s in batch.spans])
+                                      for s in batch.spans]).to(cache.device)
         self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
         if not self.decode:
             return
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
-        self.decode_offsets = torch.tensor([s.offset for s in self.decode])
+        self.decode_offsets = torch.tensor([s.offset for s in self.decode], device=cache.device)
         self.lengths = self.step.lengths
         width = int(self.lengths.max())
         self.index_slots = torch.stack([torch.nn.functional.pad(
-            torch.from_numpy(s.request.kv.index_slots[:s.end]), (0, width - s.end)) for s in self.decode])
+            torch.from_numpy(s.request.kv.index_slots[:s.end]), (0, width - s.end))
+            for s in self.decode]).to(cache.device)
 
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
         if index_q is None:

@@ -227,12 +227,13 @@ class HiSparsePools:
                 self.load_prompt(alloc, start)
             elif start >= buffer and not alloc.buffered:
                 self.take_over(alloc, start)
+        on_device = {"device": self.device}  # the step's tensors index device tensors only
         return DecodeStep(
-            rows=torch.tensor([a.row for a in allocs]),
-            lengths=torch.tensor([s + 1 for s in starts]),
+            rows=torch.tensor([a.row for a in allocs], **on_device),
+            lengths=torch.tensor([s + 1 for s in starts], **on_device),
             device_write=torch.tensor([int(a.device_rows[s] if s < buffer else a.device_rows[-1])
-                                       for a, s in zip(allocs, starts, strict=True)]),
-            swapping=torch.tensor([s >= buffer for s in starts]),
+                                       for a, s in zip(allocs, starts, strict=True)], **on_device),
+            swapping=torch.tensor([s >= buffer for s in starts], **on_device),
         )
 
     def page_table(self, layer: int, step: DecodeStep, selected: torch.Tensor,
