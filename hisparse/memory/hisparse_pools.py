@@ -78,6 +78,21 @@ class SwapInCounters:
         }
 
 
+GIB = 1 << 30
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class DecodeStep:
     """One decode step's per-request facts, worked out once and read by every layer: which requests are
@@ -129,6 +144,13 @@ class HiSparsePools:
         if self.device_slots < buffer + 1:
             raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys {self.device_slots} hot slots, "
                              f"fewer than one request's buffer ({buffer} + 1); raise the budget")
+        host_bytes = num_layers * self.logical_capacity * self.row_bytes
+        available = available_host_memory()
+        if available is not None and host_bytes > available:
+            raise ValueError(f"the host pool needs {host_bytes / GIB:.1f} GiB (host_to_device_ratio {ratio} x "
+                             f"{self.device_slots} device slots x {num_layers} layers x {self.row_bytes} B) but "
+                             f"this machine has {available / GIB:.1f} GiB available; lower host_to_device_ratio "
+                             f"or the device KV budget")
         pin = device != "cpu" and torch.cuda.is_available()
         self.device_kv = torch.zeros(num_layers, self.device_slots, row_width, dtype=row_dtype, device=device)
         # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and

@@ -123,6 +123,16 @@ def test_requests_that_cannot_fit_are_refused_at_the_door(llama, tokenizer):
         e.add_request([1] * (e.cache.capacity_tokens + 1), PARAMS)
 
 
+def test_a_host_pool_larger_than_the_machine_is_refused_before_allocating(llama, tokenizer, monkeypatch):
+    from hisparse.memory import hisparse_pools
+
+    monkeypatch.setattr(hisparse_pools, "available_host_memory", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="host pool needs .* GiB available; lower host_to_device_ratio"):
+        hisparse_engine(llama, tokenizer)
+    monkeypatch.undo()
+    assert hisparse_pools.available_host_memory() > 1 << 30  # the real figure, read from /proc/meminfo
+
+
 @pytest.mark.parametrize("value, field", [
     ("{", "JSON"), ('{"top_k": 8, "buffer": 3}', "'buffer'"), ('{"top_k": "8"}', "top_k"),
     ('{"top_k": 8, "device_buffer_size": 4}', "device_buffer_size"), ('{"host_to_device_ratio": 0}', "ratio"),
