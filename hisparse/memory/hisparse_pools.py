@@ -263,23 +263,24 @@ class HiSparsePools:
         """Device rows [B, K] of the selected positions [B, K] (-1 padding stays -1), swapping missed
         rows in first; the newest position, when selected, reads its reserved slot. `next_ranked` [B, M]:
         the positions ranked just below the selection, for a policy that reads them (`num_next_ranks`)."""
-        valid = selected >= 0
         page = torch.full_like(selected, -1)
         if step.has_fast:  # the buffer holds every token: position p is in hot slot p
             fast = step.fast
-            pos = selected[fast].clamp(min=0)
-            page[fast] = torch.where(valid[fast], self.device_rows[step.fast_rows, pos], -1)
-            self.counters.fast_path_lookups += int(valid[fast].sum())
+            valid = selected[fast] >= 0
+            page[fast] = torch.where(valid, self.device_rows[step.fast_rows, selected[fast].clamp(min=0)], -1)
+            self.counters.fast_path_lookups += int(valid.sum())
         if step.has_swapping:
-            swap_sel = selected[step.swapping]
+            every = not step.has_fast  # the usual case: no boolean-mask gathers and scatters
+            swap_sel = selected if every else selected[step.swapping]
+            if next_ranked is not None and not every:
+                next_ranked = next_ranked[step.swapping]
             is_newest = swap_sel == step.swap_newest
-            top_k = torch.where(is_newest, -1, swap_sel)
+            top_k = swap_sel.masked_fill(is_newest, -1)
             device_kv = self.device_kv[layer]
             start = time.perf_counter()
             result = swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
                              self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
-                             backend=self.swap_in_backend,
-                             next_ranked=None if next_ranked is None else next_ranked[step.swapping])
+                             backend=self.swap_in_backend, next_ranked=next_ranked)
             counters = self.counters
             counters.seconds[layer] += time.perf_counter() - start
             misses = int(result.misses.sum())
@@ -287,5 +288,8 @@ class HiSparsePools:
             counters.hits[layer] += int((top_k >= 0).sum()) - misses
             counters.evictions[layer] += int(result.evictions.sum())
             counters.bytes_h2d[layer] += misses * self.row_bytes
-            page[step.swapping] = torch.where(is_newest, step.swap_reserved.expand_as(top_k), result.page_table)
+            swapped = torch.where(is_newest, step.swap_reserved, result.page_table)
+            if every:
+                return swapped
+            page[step.swapping] = swapped
         return page
