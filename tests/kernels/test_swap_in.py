@@ -180,13 +180,13 @@ def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps
 
 @contextmanager
 def cpu_parallel_always():
-    """The test batches are small; force the cpu path's parallel loop (the default runs them serially)."""
-    saved = swap_in_cpu.PARALLEL_MIN_SELECTED
-    swap_in_cpu.PARALLEL_MIN_SELECTED = 0
+    """The test batches are small; force the cpu path's parallel loops (the default runs them serially)."""
+    saved = swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES
+    swap_in_cpu.PARALLEL_MIN_SELECTED = swap_in_cpu.PARALLEL_MIN_BYTES = 0
     try:
         yield
     finally:
-        swap_in_cpu.PARALLEL_MIN_SELECTED = saved
+        swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES = saved
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru"])
