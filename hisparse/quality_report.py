@@ -16,10 +16,11 @@ end, then the answer. The first `context - tail` tokens run densely once (as a p
 last `tail` tokens run teacher-forced twice over that shared prefix: densely (the dense NLL, the true
 attention for recall and overlap) and sparsely, each query attending to its own indexer top_k of its
 causal past through a mask (the sparse NLL). That is what sparse decode computes token by token: the
-selection is `IndexerKeyCache.select` on FP8 keys, the newest position always included, `dense_layers`
-dense. The passkey answer runs like the engine's greedy decode: the prompt dense (prefill), the answer
-tokens sparse (decode); it counts as retrieved when every answer token is the argmax (= greedy decode
-writes the number). `--engine-check` also decodes one passkey prompt through the real engine, sparse and
+selection is `IndexerKeyCache.select` on keys stored in the weights' `key_format` (int8 for the
+default model), the newest position always included, `dense_layers` dense. The passkey answer runs
+like the engine's greedy decode: the prompt dense (prefill), the answer tokens sparse (decode); it
+counts as retrieved when every answer token is the argmax (= greedy decode writes the number).
+`--engine-check` also decodes one passkey prompt through the real engine, sparse and
 dense, and prints whether the engine's text agrees with the teacher-forced verdict.
 
 Prints a table and writes JSON (`--json`). Defaults (2 trials at each of 2k, 4k, 8k, tail 256) take about
@@ -46,7 +47,8 @@ _ROW_CHUNK = 32  # query rows per select() call: bounds the [rows, T, d] key gat
 
 
 class ForcedSequenceBackend:
-    """One sequence's K/V and FP8 index keys, growing chunk by chunk; attention dense or teacher-forced sparse.
+    """One sequence's K/V and index keys (in the weights' key format), growing chunk by chunk; attention dense
+    or teacher-forced sparse.
 
     `truncate(n)` forgets everything from position n on, so several tails can run over one shared prefix.
     With `measure` set, a dense chunk records per layer the true attention mass in the indexer's and the
