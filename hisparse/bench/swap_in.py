@@ -18,6 +18,7 @@ is missed rows copied per second; us/call is the whole call, bookkeeping and arg
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -128,10 +129,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="numba threading layer (omp, workqueue, tbb); default: "
                              "hisparse.kernels.numba_threads' choice")
     args = parser.parse_args(argv)
-    if args.threading_layer:
-        numba.config.THREADING_LAYER = args.threading_layer
-    else:
-        choose_threading_layer()
+    if args.threading_layer:  # as the user's variable, so the cpu swap-in's own choice keeps it
+        os.environ["NUMBA_THREADING_LAYER"] = numba.config.THREADING_LAYER = args.threading_layer
+    choose_threading_layer()
     if args.top_k > args.buffer:
         parser.error("--top-k must not exceed --buffer")
     batches = [int(x) for x in args.batches.split(",")]

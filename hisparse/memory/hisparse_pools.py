@@ -122,8 +122,8 @@ class DecodeStep:
 class HiSparsePools:
     """Device hot buffers, host pool, indexer keys, slot tables, eviction policies and counters.
 
-    Rows are `row_width` elements of `row_dtype` per token per layer; indexer keys are FP8 rows of
-    `index_key` rows. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
+    Rows are `row_width` elements of `row_dtype` per token per layer; indexer keys are rows of the
+    `index_key` format. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
     """
 
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
