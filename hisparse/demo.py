@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     path = default_model_path()
     print(f"loading {path.name} with its lightning indexers ...", flush=True)
-    model, tokenizer = load_llama(path), Tokenizer.from_path(path)
+    dtype = EngineConfig().model_dtype
+    model, tokenizer = load_llama(path, dtype=dtype), Tokenizer.from_path(path)
     if getattr(model, "indexer_config", None) is None:
         print("error: the shipped indexer weights are missing; run `python -m hisparse.train_indexer`", file=sys.stderr)
         return 1
@@ -92,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    policy = hisparse_engine.config.hisparse_config.policy_for(hisparse_engine.config.device)
     print(f"\nworkload: {args.requests} requests x {args.prompt_tokens} prompt tokens (held-out Python docs) + "
-          f"{args.output_tokens} output tokens; device KV budget {budget / 2**20:.0f} MiB for both")
+          f"{args.output_tokens} output tokens; device KV budget {budget / 2**20:.0f} MiB for both; model in "
+          f"{str(dtype).removeprefix('torch.')}, eviction {policy}")
     results = {label: serve(e, prompts, params, label)
                for label, e in (("baseline", baseline_engine), ("hisparse", hisparse_engine))}
     print(f"\n{'mode':<10}{'max concurrent':>16}{'decode tok/s':>14}{'output tok/s':>14}{'seconds':>9}{'hit rate':>10}")

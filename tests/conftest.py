@@ -20,6 +20,16 @@ def llama(model_path):
 
 
 @pytest.fixture(scope="session")
+def llama_bf16(model_path):
+    """The same model in bfloat16, the dtype the engine picks on CPUs that multiply in it natively."""
+    import torch
+
+    from hisparse.models.loader import load_llama
+
+    return load_llama(model_path, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     """transformers' own reading of the same GGUF: the independent reference for parity tests."""
     import torch

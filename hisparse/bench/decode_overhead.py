@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
 
     path = default_model_path()
-    model, tokenizer = load_llama(path), Tokenizer.from_path(path)
+    model, tokenizer = load_llama(path, dtype=EngineConfig().model_dtype), Tokenizer.from_path(path)
     prompts = [heldout_tokens(tokenizer, args.context, offset=131 * i) for i in range(args.batch)]
     budget = 2 << 30
     common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)

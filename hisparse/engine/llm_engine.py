@@ -38,7 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None):
         self.config = config or EngineConfig()
         path = resolve_model_path(self.config.model)
-        self.model = model if model is not None else load_llama(path)
+        self.model = model if model is not None else load_llama(path, dtype=self.config.model_dtype)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_path(path)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings

@@ -30,9 +30,12 @@ class AttentionBackend(Protocol):
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of q over k/v where q are the last q.shape[0] of k's tokens. [T, H, D] layouts.
 
-    Tensors go to SDPA as 4-D: on the CPU its 3-D path is an order of magnitude slower.
+    Tensors go to SDPA as 4-D: on the CPU its 3-D path is an order of magnitude slower. K/V come in the
+    cache's dtype and are read in the query's (the model's): a bfloat16 model's K/V were bfloat16 before a
+    float32 cache stored them, so the round trip is exact.
     """
     tq, tk = q.shape[0], k.shape[0]
+    k, v = k.to(q.dtype), v.to(q.dtype)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if tq == tk:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
@@ -52,6 +55,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     b, hq, d = q.shape
     hkv = k.shape[2]
+    k, v = k.to(q.dtype), v.to(q.dtype)  # as in causal_attention
     qg = q.view(b, hkv, hq // hkv, d)
     # An all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an additive
     # float one on every call.

@@ -71,8 +71,10 @@ class LlamaIndexer(LightningIndexer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [N, hidden]; cos/sin [N, model_head_dim / 2] -> q [N, H, d], k [N, d], w [N, H] (fp32).
 
-        w carries both 1/sqrt(H) and the 1/sqrt(d) score scale, so I = index_scores(q, w, k).
+        w carries both 1/sqrt(H) and the 1/sqrt(d) score scale, so I = index_scores(q, w, k). A bfloat16
+        model's activations are widened first: the indexer runs in float32.
         """
+        x, cos, sin = x.float(), cos.float(), sin.float()
         cos, sin = cos[..., ::self.rope_stride], sin[..., ::self.rope_stride]
         return self.queries(x, cos, sin), self.keys(x, cos, sin), self.head_weights(x)
 

@@ -165,7 +165,8 @@ class HiSparsePools:
         self.lru = torch.stack([t[1] for t in tables])  # [L, R, S]
         self.device_rows = torch.zeros(max_requests, buffer, dtype=torch.int64, device=device)
         self.host_rows = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
-        self.policies = [get_policy(config.eviction_policy, max_requests, buffer, device) for _ in range(num_layers)]
+        policy = config.policy_for(device)
+        self.policies = [get_policy(policy, max_requests, buffer, device) for _ in range(num_layers)]
         # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
         self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
         self.counters = SwapInCounters(num_layers)

@@ -12,6 +12,7 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def split_kv(rows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., 2 * Hkv * D] pool rows -> K, V of shape [..., Hkv, D] each (float32 for the math)."""
-    k, v = rows.float().unflatten(-1, (2, num_kv_heads, head_dim)).unbind(-3)
+    """[..., 2 * Hkv * D] pool rows -> K, V of shape [..., Hkv, D] each, in the pool's dtype (attention reads
+    them in the model's)."""
+    k, v = rows.unflatten(-1, (2, num_kv_heads, head_dim)).unbind(-3)
     return k, v

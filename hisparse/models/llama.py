@@ -3,10 +3,14 @@
 The forward pass works on a flat batch of N tokens from any mix of sequences: the engine packs prefill
 chunks and decode tokens together and the attention backend sorts out which token sees which.
 For inference (`prepare_for_inference`) Q/K/V and gate/up projections are fused into single matmuls and
-every weight is stored transposed, [in, out] row-major, and used as `x @ w`: on a CPU, decode is bound by
-reading weights, and BLAS runs that layout up to twice as fast as `F.linear`'s `x @ W.T` at batch 8-32
-(single thread, this machine: gate/up 2.0 -> 0.9 ms at batch 8, lm_head 55 -> 41 ms). The nn.Linear
-parameters stay as views of the same memory, so training and tests still see ordinary modules.
+every weight is used as `x @ w` with w [in, out]. In float32 w is stored transposed, [in, out] row-major:
+on a CPU, decode is bound by reading weights, and BLAS runs that layout up to twice as fast as
+`F.linear`'s `x @ W.T` at batch 8-32 (single thread, this machine: gate/up 2.0 -> 0.9 ms at batch 8,
+lm_head 55 -> 41 ms). In bfloat16 w is a transposed view of an [out, in] row-major tensor, the layout
+oneDNN's bfloat16 kernels want (2 cores, batch 16: gate/up 425 us in float32 [in, out], 185 us in
+bfloat16 [out, in], 191 us in bfloat16 [in, out] at batch 4 but 2x slower at batch 16; the LM head
+11.2 vs 2.4 ms). The nn.Linear parameters stay views of the same memory, so training and tests still see
+ordinary modules.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from hisparse.models.config import LlamaConfig
 
 
 def transposed_weight(*linears: nn.Linear) -> torch.Tensor:
-    """The linears' weights concatenated on the output axis, stored [in, out]; each linear's weight becomes a
-    (transposed) view into it, so the model holds one copy."""
-    fused = torch.cat([lin.weight.detach() for lin in linears]).t().contiguous()
+    """The linears' weights concatenated on the output axis, as an [in, out] tensor (stored [in, out] in
+    float32, [out, in] in bfloat16: see the module docstring); each linear's weight becomes a view into it,
+    so the model holds one copy."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    fused = fused.t() if fused.dtype == torch.bfloat16 else fused.t().contiguous()
     start = 0
     for lin in linears:
         width = lin.weight.shape[0]
@@ -125,12 +131,14 @@ class LlamaForCausalLM(nn.Module):
         return self.config.head_dim ** -0.5
 
     def prepare_for_inference(self) -> None:
-        """Fused, transposed weights (see the module docstring). The LM head gets its own transposed copy:
-        when tied, the embedding keeps its row-major table for token lookups."""
+        """Fused, transposed weights (see the module docstring). In float32 the LM head gets its own
+        transposed copy: when tied, the embedding keeps its row-major table for token lookups (in bfloat16
+        that table already is the layout)."""
         for layer in self.layers:
             layer.attn.prepare_for_inference()
             layer.mlp.prepare_for_inference()
-        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
+        head = self.lm_head.weight.detach()
+        self.lm_head_t = head.t() if head.dtype == torch.bfloat16 else head.t().contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:

@@ -82,8 +82,11 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def load_llama(model: str | Path | None = None, indexer: bool | str | Path | None = None) -> LlamaForCausalLM:
-    """Load weights into a float32 model in eval mode, projections fused for inference.
+def load_llama(model: str | Path | None = None, indexer: bool | str | Path | None = None,
+               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Load weights into a model of `dtype` (float32 or bfloat16) in eval mode, projections fused for
+    inference. The lightning indexers stay float32 whatever the model's dtype: they are small, and their
+    scores decide which tokens attention reads.
 
     indexer: None (default) attaches the shipped trained lightning indexers when `model` is the default
     model (which makes it the sparse-attention model); True requires them; False loads none; a path
@@ -102,6 +105,9 @@ def load_llama(model: str | Path | None = None, indexer: bool | str | Path | Non
     if missing:
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
+    net.to(dtype)
     net.prepare_for_inference()
     if indexer is not False:
         from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights

@@ -51,6 +51,7 @@ class ServerArgs:
     disable_sparse_attention: bool = False
     swap_in_backend: str = "auto"
     kv_cache_dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     log_level: str = "info"
 
@@ -59,7 +60,8 @@ class ServerArgs:
         return EngineConfig(model=self.model_path, device_kv_budget=self.device_kv_budget,
                             max_running_requests=self.max_running_requests,
                             chunked_prefill_size=self.chunked_prefill_size, kv_cache_dtype=self.kv_cache_dtype,
-                            device=self.device, sparse_attention=not self.disable_sparse_attention, top_k=self.top_k,
+                            dtype=self.dtype, device=self.device, sparse_attention=not self.disable_sparse_attention,
+                            top_k=self.top_k,
                             enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
                             swap_in_backend=self.swap_in_backend)
 
@@ -127,8 +129,8 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help="full KV in a host pool, a small hot buffer per request on the device")
     ap.add_argument("--hisparse-config", default=d.hisparse_config,
                     help='JSON, e.g. \'{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 8, '
-                         '"eviction_policy": "score_lru"}\'; eviction_policy: score_lru (default), lru, fifo '
-                         'or clock')
+                         '"eviction_policy": "score_lru"}\'; eviction_policy: auto (default: score_lru on a GPU, '
+                         'lru on the CPU), score_lru, lru, fifo or clock')
     ap.add_argument("--max-running-requests", type=positive_int, default=d.max_running_requests)
     ap.add_argument("--max-queued-requests", type=positive_int, default=d.max_queued_requests,
                     help="requests allowed to wait for a running slot; more get HTTP 429 at once")
@@ -142,6 +144,9 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help="decode densely even when the model has an indexer")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default=d.kv_cache_dtype)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
+                    help="the model's weights and activations (auto: bfloat16 where the device multiplies in it "
+                         "natively, else float32); the indexer stays float32")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
     return ap
@@ -171,8 +176,9 @@ def check_port_free(host: str, port: int) -> None:
 # EngineConfig's fields -> the flags that set them, to point a refusal at what the user typed.
 _FLAGS = {"model": "--model-path", "device_kv_budget": "--device-kv-budget", "top_k": "--top-k",
           "max_running_requests": "--max-running-requests", "chunked_prefill_size": "--chunked-prefill-size",
-          "kv_cache_dtype": "--kv-cache-dtype", "device": "--device", "enable_hisparse": "--enable-hisparse",
-          "hisparse_config": "--hisparse-config", "swap_in_backend": "--swap-in-backend"}
+          "kv_cache_dtype": "--kv-cache-dtype", "dtype": "--dtype", "device": "--device",
+          "enable_hisparse": "--enable-hisparse", "hisparse_config": "--hisparse-config",
+          "swap_in_backend": "--swap-in-backend"}
 
 
 def fail(prog: str, message: str) -> int:

@@ -70,6 +70,14 @@ def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens
     assert_all_free(e)
 
 
+def test_offloading_changes_no_result_in_bfloat16(llama_bf16, tokenizer, prompts):
+    """The default dtype on CPUs with native bfloat16: a float32 cache holds the bfloat16 K/V exactly."""
+    e = hisparse_engine(llama_bf16, tokenizer)
+    assert generate(e, prompts) == generate(engine(llama_bf16, tokenizer), prompts)
+    assert e.stats_dict()["swap_in"]["misses"] > 0
+    assert_all_free(e)
+
+
 def test_page_table_matches_buffer_mid_flight(llama, tokenizer, prompts):
     e = hisparse_engine(llama, tokenizer, policy="score_lru")
     requests = [e.add_request(p, PARAMS) for p in prompts[1:]]
@@ -145,6 +153,8 @@ def test_bad_hisparse_config_names_the_problem(value, field):
 
 def test_config_defaults_follow_the_reference():
     config = HiSparseConfig.parse('{"top_k": 2048}')
-    assert config.device_buffer_size == 4096 and config.eviction_policy == "score_lru"
+    assert config.device_buffer_size == 4096 and config.eviction_policy == "auto"
+    assert config.policy_for("cpu") == "lru" and config.policy_for("cuda:0") == "score_lru"
+    assert HiSparseConfig.parse('{"eviction_policy": "fifo"}').policy_for("cuda") == "fifo"
     with pytest.raises(ValueError, match="enable_hisparse"):
         EngineConfig(hisparse_config={"top_k": 8})
