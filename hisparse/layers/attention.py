@@ -51,18 +51,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """One query per request over its own rows. q [B, Hq, D]; k, v [B, L, Hkv, D]; mask [B, L] or None.
 
     The query heads that share a KV head go in SDPA's query-length axis, so K/V are read once per KV head
-    and never expanded.
+    and never expanded. Unlike prefill, decode is bound by reading K/V, so it runs in the wider of the two
+    dtypes: narrowing a float32 cache's rows for a bfloat16 model cost more than the attention itself
+    (batch 16: 35 ms of a 220 ms step).
     """
     b, hq, d = q.shape
     hkv = k.shape[2]
-    k, v = k.to(q.dtype), v.to(q.dtype)  # as in causal_attention
-    qg = q.view(b, hkv, hq // hkv, d)
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    qg = q.to(dtype).view(b, hkv, hq // hkv, d)
     # An all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an additive
     # float one on every call.
     attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                                          scale=scale)
-    return out.reshape(b, hq, d)
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 class SingleSequenceCache:
