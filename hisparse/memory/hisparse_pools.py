@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse.kernels.swap_in import swap_in
+from hisparse.kernels.swap_in import swap_in_kernel
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -169,6 +169,8 @@ class HiSparsePools:
         self.policies = [get_policy(policy, max_requests, buffer, device) for _ in range(num_layers)]
         # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
         self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
+        # Resolved once: every argument of a step's swap-in is built here, so the per-call checks are skipped.
+        self.swap_in = swap_in_kernel(swap_in_backend, self.policies[0], torch.device(device))
         self.counters = SwapInCounters(num_layers)
 
     # -- admission --------------------------------------------------------------------------------
@@ -279,9 +281,11 @@ class HiSparsePools:
             top_k = swap_sel.masked_fill(is_newest, -1)
             device_kv = self.device_kv[layer]
             start = time.perf_counter()
-            result = swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
-                             self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
-                             backend=self.swap_in_backend, next_ranked=next_ranked)
+            if next_ranked is None:
+                next_ranked = top_k.new_empty((top_k.shape[0], 0))
+            result = self.swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
+                                  self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
+                                  next_ranked=next_ranked)
             counters = self.counters
             counters.seconds[layer] += time.perf_counter() - start
             misses = int(result.misses.sum())
