@@ -69,3 +69,11 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, native, expected):
     assert EngineConfig().model_dtype == expected
     assert EngineConfig(dtype="float32").model_dtype == torch.float32
     assert EngineConfig(dtype="bfloat16").model_dtype == torch.bfloat16
+
+
+def test_the_engine_loads_the_model_in_its_dtype():
+    from hisparse.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", device_kv_budget=64 << 20))
+    assert engine.model.layers[0].mlp.gate_up_t.dtype == torch.bfloat16
+    assert engine.model.layers[0].attn.indexer.wk.weight.dtype == torch.float32

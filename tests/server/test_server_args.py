@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hisparse.cli import main as cli_main
 from hisparse.launch_server import main as launch_main
@@ -46,7 +47,8 @@ def test_flags_reach_the_engine_config():
     config = args.engine_config()
     assert config.enable_hisparse and config.hisparse_config.device_buffer_size == 48 and config.top_k == 32
     assert (config.max_running_requests, config.chunked_prefill_size, config.device_kv_budget) == (8, 128, 256 << 20)
-    assert config.swap_in_backend == "reference"
+    assert config.swap_in_backend == "reference" and config.dtype == "auto"
+    assert parse_args(["--dtype", "float32"]).engine_config().model_dtype == torch.float32
     dense = parse_args(["--disable-sparse-attention", "--top-k", "64"]).engine_config()
     assert not dense.sparse_attention and dense.top_k == 64
 
@@ -69,6 +71,7 @@ def busy_port():
     (["--device-kv-budget", "2XB"], "--device-kv-budget"),
     (["--max-running-requests", "0"], ">= 1"),
     (["--swap-in-backend", "gpu"], "invalid choice"),
+    (["--dtype", "float16"], "invalid choice"),
     (["--bogus"], "unrecognized arguments"),
     (["--enable-hisparse", "--hisparse-config", "{bad"], "--hisparse-config: hisparse_config is not valid JSON"),
     (["--enable-hisparse", "--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}'], "device_buffer_size"),
