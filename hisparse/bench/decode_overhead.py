@@ -3,9 +3,12 @@
     python -m hisparse.bench.decode_overhead [--batch 8] [--context 2048] [--steps 24] [--repeats 3]
                                              [--hisparse-config JSON]
 
-Both engines get a budget large enough to run the whole batch at once, so they run identical batches;
-after the prompts are in, the decode steps are timed. The two modes alternate over the repeats so both
-see the same machine load; the printed ratio (HiSparse step time / baseline step time, median) has a
+Both engines get a budget large enough to run the whole batch at once, so they run identical batches.
+Each repeat gives both the same prompts, prefills them (untimed), then steps the two engines in turn,
+one decode step each, which of them goes first alternating: consecutive steps of the two modes are a
+fraction of a second apart, so the load of a shared machine hits both alike (timing whole runs one
+after the other gave ratios from 1.07 to 1.25 for the same code). Printed: the median step time of
+each mode and their ratio (HiSparse / baseline, the median over repeats of each repeat's ratio), with a
 target of at most 1.10. Contexts are longer than the hot buffer, so swap-in really runs.
 """
 
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+from tqdm import tqdm
 
 from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
@@ -24,50 +29,61 @@ from hisparse.models.loader import load_llama
 from hisparse.models.tokenizer import Tokenizer
 
 
-def decode_step_seconds(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+def interleaved_step_seconds(engines: dict[str, LLMEngine], prompts: list[list[int]],
+                             steps: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Prefill the prompts in every engine, then time `steps` decode steps of each, taking turns."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    requests = [engine.add_request(p, params) for p in prompts]
-    while any(r.in_prefill or not r.output_token_ids for r in requests):
-        engine.step()
-    times = []
-    while engine.has_unfinished:
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), [r.output_token_ids for r in requests]
+    requests = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
+    for name, engine in engines.items():
+        while any(r.in_prefill or not r.output_token_ids for r in requests[name]):
+            engine.step()
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines)
+    for i in range(steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - start)
+    for engine in engines.values():
+        while engine.has_unfinished:
+            engine.step()
+    return times, {name: [r.output_token_ids for r in rs] for name, rs in requests.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     path = default_model_path()
     model, tokenizer = load_llama(path, dtype=EngineConfig().model_dtype), Tokenizer.from_path(path)
     prompts = [heldout_tokens(tokenizer, args.context, offset=131 * i) for i in range(args.batch)]
     budget = 2 << 30
     common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)
-    engines = {"baseline": LLMEngine(EngineConfig(**common), model=model, tokenizer=tokenizer),
-               "hisparse": LLMEngine(EngineConfig(**common, enable_hisparse=True,
-                                                  hisparse_config=args.hisparse_config),
-                                     model=model, tokenizer=tokenizer)}
+    hisparse = EngineConfig(**common, enable_hisparse=True, hisparse_config=args.hisparse_config)
+    engines = {"baseline": LLMEngine(EngineConfig(**common, top_k=hisparse.top_k), model=model, tokenizer=tokenizer),
+               "hisparse": LLMEngine(hisparse, model=model, tokenizer=tokenizer)}  # both select the same top_k
     seconds: dict[str, list[float]] = {name: [] for name in engines}
-    outputs = {}
-    for _ in range(args.repeats):
-        for name, engine in engines.items():
-            step, outputs[name] = decode_step_seconds(engine, prompts, args.steps)
-            seconds[name].append(step)
+    ratios = []
+    identical = True
+    for _ in tqdm(range(args.repeats), desc="repeats"):
+        times, outputs = interleaved_step_seconds(engines, prompts, args.steps)
+        identical = identical and outputs["baseline"] == outputs["hisparse"]
+        for name in engines:
+            seconds[name] += times[name]
+        ratios.append(statistics.median(times["hisparse"]) / statistics.median(times["baseline"]))
     base, hs = statistics.median(seconds["baseline"]), statistics.median(seconds["hisparse"])
     swap = engines["hisparse"].stats_dict()["swap_in"]
     print(f"batch {args.batch}, context {args.context}, {args.steps} decode steps x {args.repeats} repeats")
-    print(f"baseline step {base * 1e3:.1f} ms, hisparse step {hs * 1e3:.1f} ms, ratio {hs / base:.3f} (target <= 1.10)")
-    share = swap["swap_in_seconds"] / (hs * args.steps * args.repeats)
+    print(f"baseline step {base * 1e3:.1f} ms, hisparse step {hs * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} "
+          f"(target <= 1.10; per repeat {', '.join(f'{r:.3f}' for r in ratios)})")
+    share = swap["swap_in_seconds"] / sum(seconds["hisparse"])
     print(f"hisparse hit rate {swap['hit_rate']:.1%}; swap-in {share:.1%} of the decode time; "
-          f"outputs identical: {outputs['baseline'] == outputs['hisparse']}")
+          f"outputs identical: {identical}")
 
 
 if __name__ == "__main__":
