@@ -85,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
-        baseline_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests),
+        hisparse_config = EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
+                                       enable_hisparse=True, hisparse_config=args.hisparse_config)
+        baseline_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
+                                                 top_k=hisparse_config.top_k),  # both select the same top_k
                                     model=model, tokenizer=tokenizer)
-        hisparse_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
-                                                 enable_hisparse=True, hisparse_config=args.hisparse_config),
-                                    model=model, tokenizer=tokenizer)
+        hisparse_engine = LLMEngine(hisparse_config, model=model, tokenizer=tokenizer)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
