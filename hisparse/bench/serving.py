@@ -2,7 +2,8 @@
 with streaming OpenAI completions at a sweep of concurrencies.
 
     python -m hisparse.bench_serving [--concurrency 1,4,16] [--prompt-tokens 1536] [--output-tokens 192]
-                                     [--rounds 1] [--baseline-admits 4] [--device-kv-budget SIZE]
+                                     [--rounds 1] [--min-requests 3] [--baseline-admits 4]
+                                     [--device-kv-budget SIZE]
                                      [--hisparse-config JSON] [--out-dir bench_results/serving]
 
 The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
@@ -15,7 +16,8 @@ keys (68 B per layer each, against 1536 B of float32 K/V), and 512 slots per req
 
 Both servers start at once (loading overlaps; an idle server costs the other nothing) and the modes take
 turns level by level, alternating which goes first, so slow phases of a shared machine hit both alike.
-Each level sends `rounds x concurrency` requests of held-out Python-docs text with at most `concurrency`
+Each level sends `rounds x concurrency` requests (at least `--min-requests`, so that concurrency 1 does
+not rest on a single request) of held-out Python-docs text with at most `concurrency`
 in flight; every request generates exactly `--output-tokens` tokens.
 
 Reported per mode and level: output throughput (generated tokens / wall time of the level), TTFT and ITL
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=positive_int, default=1536)
     ap.add_argument("--output-tokens", type=positive_int, default=192)
     ap.add_argument("--rounds", type=positive_int, default=1, help="requests per level = rounds x concurrency")
+    ap.add_argument("--min-requests", type=positive_int, default=3,
+                    help="at least this many requests per level (default 3: one request alone was too noisy a "
+                         "figure at concurrency 1, 0.83x-1.03x across three runs)")
     ap.add_argument("--baseline-admits", type=positive_int, default=4,
                     help="size the default device budget so that the baseline holds this many requests at once")
     ap.add_argument("--device-kv-budget", type=size_flag, default=None,
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = args.concurrency
     max_running = max(levels)
     common = ["--device-kv-budget", str(budget), "--max-running-requests", str(max_running),
-              "--max-queued-requests", str(max(256, max_running * args.rounds)), "--top-k", str(config.top_k)]
+              "--max-queued-requests", str(max(256, max_running * args.rounds, args.min_requests)),
+              "--top-k", str(config.top_k)]
     flags = {"baseline": common,
              "hisparse": [*common, "--enable-hisparse", "--hisparse-config",
                           json.dumps(dataclasses.asdict(config))]}
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     servers = {mode: ServerProcess(mode, flags[mode], out_dir / f"server-{mode}.log") for mode in MODES}
 
-    print(f"workload: {args.rounds} x concurrency requests per level at concurrency {', '.join(map(str, levels))}; "
+    print(f"workload: {args.rounds} x concurrency requests (at least {args.min_requests}) per level at concurrency "
+          f"{', '.join(map(str, levels))}; "
           f"{args.prompt_tokens} prompt tokens (held-out Python docs) + {args.output_tokens} output tokens each")
     print(f"device KV budget {budget / 2**20:.1f} MiB for both modes "
           f"({per_token} B per token without HiSparse); HiSparse config {json.dumps(dataclasses.asdict(config))}")
@@ -220,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"warm-up request to the {server.label} server failed: {run.results[0].error}")
 
         rows: list[dict] = []
-        total = 2 * sum(args.rounds * c for c in levels) * args.output_tokens
+        per_level = {c: max(args.rounds * c, args.min_requests) for c in levels}
+        total = 2 * sum(per_level.values()) * args.output_tokens
         with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
             for i, concurrency in enumerate(levels):
-                prompts = prompts_from(stream, args.rounds * concurrency, args.prompt_tokens)
+                prompts = prompts_from(stream, per_level[concurrency], args.prompt_tokens)
                 for mode in MODES if i % 2 == 0 else MODES[::-1]:  # neither mode always runs first
                     server = servers[mode]
                     bar.set_description(f"{mode} c={concurrency}")
@@ -245,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                     "rounds": args.rounds, "concurrency": levels, "text": "held-out Python docs"},
+                     "rounds": args.rounds, "min_requests": args.min_requests, "concurrency": levels,
+                     "text": "held-out Python docs"},
         "device_kv_budget_bytes": budget, "baseline_bytes_per_token": per_token,
         "hisparse_config": dataclasses.asdict(config), "admitted_at_once": capacity,
         "server_flags": flags, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),

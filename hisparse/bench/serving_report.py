@@ -45,7 +45,8 @@ def markdown_report(report: dict) -> str:
     return "\n".join([
         "# Serving benchmark: HiSparse off vs on, same device KV budget",
         "",
-        f"- workload: {w['rounds']} x concurrency streamed completions per level, {w['prompt_tokens']} prompt "
+        f"- workload: {w['rounds']} x concurrency (at least {w.get('min_requests', 1)}) streamed completions per "
+        f"level, {w['prompt_tokens']} prompt "
         f"tokens ({w['text']}) + {w['output_tokens']} output tokens each (ignore_eos)",
         f"- device KV budget: {report['device_kv_budget_bytes'] / 2**20:.1f} MiB for both; admitted at once: "
         f"baseline {admitted['baseline']}, HiSparse {admitted['hisparse']}",

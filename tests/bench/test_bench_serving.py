@@ -31,8 +31,8 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
     assert set(rows) == {(m, c) for m in ("baseline", "hisparse") for c in (1, 3)}
     for (mode, concurrency), row in rows.items():
         assert row["failed"] == 0, row["errors"]
-        assert row["requests"] == concurrency
-        assert row["output_tokens"] == concurrency * OUTPUT_TOKENS  # ignore_eos: every request runs to length
+        assert row["requests"] == max(concurrency, 3)  # --min-requests 3 by default
+        assert row["output_tokens"] == row["requests"] * OUTPUT_TOKENS  # ignore_eos: every request runs to length
         assert 1 <= row["max_running"] <= min(admitted[mode], concurrency)
         assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
         assert 0 < row["ttft_median_s"] <= row["ttft_p99_s"] < row["seconds"]
