@@ -18,7 +18,7 @@ import time
 from tqdm import tqdm
 
 from hisparse.data.pydoc_corpus import heldout_tokens
-from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.memory.paged_kv_cache import KVLayout
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = default_model_path()
     print(f"loading {path.name} with its lightning indexers ...", flush=True)
-    dtype = EngineConfig().model_dtype
+    dtype = resolve_model_dtype()
     model, tokenizer = load_llama(path, dtype=dtype), Tokenizer.from_path(path)
     if getattr(model, "indexer_config", None) is None:
         print("error: the shipped indexer weights are missing; run `python -m hisparse.train_indexer`", file=sys.stderr)
@@ -87,14 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
         hisparse_config = EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
                                        enable_hisparse=True, hisparse_config=args.hisparse_config)
-        baseline_engine = LLMEngine(EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
-                                                 top_k=hisparse_config.top_k),  # both select the same top_k
-                                    model=model, tokenizer=tokenizer)
+        baseline_engine = LLMEngine(hisparse_config.without_hisparse(), model=model, tokenizer=tokenizer)
         hisparse_engine = LLMEngine(hisparse_config, model=model, tokenizer=tokenizer)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    policy = hisparse_engine.config.hisparse_config.policy_for(hisparse_engine.config.device)
+    policy = hisparse_engine.cache.policies[0].name  # what runs ("auto" resolved for the device)
     print(f"\nworkload: {args.requests} requests x {args.prompt_tokens} prompt tokens (held-out Python docs) + "
           f"{args.output_tokens} output tokens; device KV budget {budget / 2**20:.0f} MiB for both; model in "
           f"{str(dtype).removeprefix('torch.')}, eviction {policy}")

@@ -302,11 +302,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from hisparse.engine.engine_config import EngineConfig
+    from hisparse.engine.engine_config import resolve_model_dtype
     from hisparse.models.loader import load_llama, resolve_model_path
     from hisparse.models.tokenizer import Tokenizer
 
-    dtype = EngineConfig(dtype=args.dtype).model_dtype
+    dtype = resolve_model_dtype(args.dtype)
     model = load_llama(None, indexer=args.indexer if args.indexer else True, dtype=dtype)
     tokenizer = Tokenizer.from_path(resolve_model_path(None))
     if args.dense_layers is None:

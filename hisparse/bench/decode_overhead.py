@@ -21,7 +21,7 @@ import time
 from tqdm import tqdm
 
 from hisparse.data.pydoc_corpus import heldout_tokens
-from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.models.default_model import default_model_path
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     path = default_model_path()
-    model, tokenizer = load_llama(path, dtype=EngineConfig().model_dtype), Tokenizer.from_path(path)
+    model, tokenizer = load_llama(path, dtype=resolve_model_dtype()), Tokenizer.from_path(path)
     prompts = [heldout_tokens(tokenizer, args.context, offset=131 * i) for i in range(args.batch)]
     budget = 2 << 30
     common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)
     hisparse = EngineConfig(**common, enable_hisparse=True, hisparse_config=args.hisparse_config)
-    engines = {"baseline": LLMEngine(EngineConfig(**common, top_k=hisparse.top_k), model=model, tokenizer=tokenizer),
-               "hisparse": LLMEngine(hisparse, model=model, tokenizer=tokenizer)}  # both select the same top_k
+    engines = {"baseline": LLMEngine(hisparse.without_hisparse(), model=model, tokenizer=tokenizer),
+               "hisparse": LLMEngine(hisparse, model=model, tokenizer=tokenizer)}
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     ratios = []
     identical = True

@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
     levels = args.concurrency
     max_running = max(levels)
+    per_level = {c: max(args.rounds * c, args.min_requests) for c in levels}  # requests sent at each level
     common = ["--device-kv-budget", str(budget), "--max-running-requests", str(max_running),
-              "--max-queued-requests", str(max(256, max_running * args.rounds, args.min_requests)),
-              "--top-k", str(config.top_k)]
+              "--max-queued-requests", str(max(256, *per_level.values())), "--top-k", str(config.top_k)]
     flags = {"baseline": common,
              "hisparse": [*common, "--enable-hisparse", "--hisparse-config",
                           json.dumps(dataclasses.asdict(config))]}
@@ -227,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"warm-up request to the {server.label} server failed: {run.results[0].error}")
 
         rows: list[dict] = []
-        per_level = {c: max(args.rounds * c, args.min_requests) for c in levels}
         total = 2 * sum(per_level.values()) * args.output_tokens
         with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
             for i, concurrency in enumerate(levels):

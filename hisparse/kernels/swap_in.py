@@ -62,8 +62,7 @@ def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru
 def swap_in_kernel(backend: str, policy: str | EvictionPolicy, device: torch.device) -> Callable[..., SwapInResult]:
     """The implementation `swap_in` would run, for a caller that builds every argument itself and calls it
     each layer of each decode step (the HiSparse pools): `swap_in`'s per-call checks of types, shapes and
-    devices were a quarter of the swap-in's cost at batch 1. Same signature as `swap_in` less `backend`;
-    `next_ranked` must be a tensor ([B, 0] for none)."""
+    devices were a quarter of the swap-in's cost at batch 1. Same signature as `swap_in` less `backend`."""
     return _implementation(resolve_backend(backend, resolve_policy(policy), device))
 
 

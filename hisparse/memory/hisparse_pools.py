@@ -132,7 +132,6 @@ class HiSparsePools:
         self.num_layers = num_layers
         self.config = config
         self.device = device
-        self.swap_in_backend = swap_in_backend
         self.max_context = max_context
         self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
         self.index_row_bytes = index_key.row_bytes
@@ -281,8 +280,6 @@ class HiSparsePools:
             top_k = swap_sel.masked_fill(is_newest, -1)
             device_kv = self.device_kv[layer]
             start = time.perf_counter()
-            if next_ranked is None:
-                next_ranked = top_k.new_empty((top_k.shape[0], 0))
             result = self.swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
                                   self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
                                   next_ranked=next_ranked)
