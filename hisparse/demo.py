@@ -7,6 +7,9 @@ workload under the same device KV budget with HiSparse off and on.
 The device budget is set so that the baseline (every token's K/V on the device) fits exactly
 `--baseline-requests` of the requests at once; HiSparse gets the very same budget. It prints how many
 requests each admitted at once, output throughput, and HiSparse's hit rate and swap-in traffic.
+The default HiSparse config provisions host rows and indexer keys for 4 tokens per device slot
+(`host_to_device_ratio`): these requests hold 2032 tokens per 513 slots, and every unused indexer key
+the budget pays for is device memory the hot buffers do not get.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--baseline-requests", type=int, default=2)
-    parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
+    parser.add_argument("--hisparse-config",
+                        default='{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 4}')
     parser.add_argument("--skip-chat", action="store_true")
     args = parser.parse_args(argv)
     for name in ("requests", "prompt_tokens", "output_tokens", "baseline_requests"):
@@ -81,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [heldout_tokens(tokenizer, args.prompt_tokens, offset=97 * i) for i in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     try:
-        mc = model.config  # baseline device bytes per token: float32 K and V, plus the indexer key
-        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        mc = model.config  # baseline device bytes per token: K and V in the model's dtype (the engine's kv "auto"),
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)  # plus the indexer key
         per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
         hisparse_config = EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,

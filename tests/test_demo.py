@@ -7,7 +7,8 @@ from hisparse.demo import main
 
 def test_demo_admits_more_with_hisparse_and_reports_throughput(capsys):
     code = main(["--skip-chat", "--requests", "3", "--prompt-tokens", "1000", "--output-tokens", "4",
-                 "--baseline-requests", "1", "--hisparse-config", '{"top_k": 256, "device_buffer_size": 256}'])
+                 "--baseline-requests", "1", "--hisparse-config",
+                 '{"top_k": 256, "device_buffer_size": 256, "host_to_device_ratio": 4}'])
     out = capsys.readouterr().out
     assert code == 0
     rows = {m.group(1): (int(m.group(2)), float(m.group(3)))

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
 from hisparse.bench.serving_server import ServerProcess, wait_ready
+from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.server.args import positive_int, size_flag
 
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_model_shape(reader) -> tuple[KVLayout, int, int]:
-    """(float32 K/V layout, indexer key dim, context length) of the default model, read from its GGUF header
-    and the shipped indexer's metadata without loading any weights."""
+    """(K/V layout as the servers store it, indexer key format, context length) of the default model, read
+    from its GGUF header and the shipped indexer's metadata without loading any weights."""
     from safetensors import safe_open
 
     from hisparse.layers.indexer import SHIPPED_WEIGHTS, IndexerConfig
@@ -99,7 +100,8 @@ def default_model_shape(reader) -> tuple[KVLayout, int, int]:
                                 "run `python -m hisparse.train_indexer`")
     with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
         index_key = IndexerConfig.from_json(f.metadata()["indexer_config"]).key_layout
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim)
+    # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, resolve_model_dtype())
     return layout, index_key, config.max_position_embeddings
 
 

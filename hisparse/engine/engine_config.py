@@ -16,7 +16,7 @@ class EngineConfig:
     device_kv_budget: int | None = None  # bytes of device memory for the KV cache; None = the default
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
-    kv_cache_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # the K/V cache's rows: auto (the model's dtype), float32 or bfloat16
     dtype: str = "auto"  # the model's weights and activations: auto, float32 or bfloat16 (see model_dtype)
     device: str = "cpu"
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
@@ -59,8 +59,8 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
-        if self.kv_cache_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
@@ -75,9 +75,12 @@ class EngineConfig:
         same top_k (a HiSparse config's top_k wins over the engine's)."""
         return dataclasses.replace(self, enable_hisparse=False, hisparse_config=None)
 
-    @property
-    def torch_kv_dtype(self) -> torch.dtype:
-        return getattr(torch, self.kv_cache_dtype)
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The K/V cache's dtype for a model running in `model_dtype`. "auto" stores K/V in the dtype that
+        computed them: a bfloat16 model's K/V lose nothing in a bfloat16 cache, and a float32 cache would only
+        double the bytes every decode step reads and every swap-in copies (batch 16 at 1.5k context: 148 vs
+        176 ms per step without HiSparse, 187 vs 209 ms with it, same run)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
     def resolved_kv_budget(self, weight_bytes: int) -> int:
         """On a GPU, a fraction of what the weights leave free (like --mem-fraction-static); on the CPU,

@@ -75,8 +75,10 @@ class IndexKeyFormat:
         """(values [..., head_dim], scale [...] or None): key = values x scale. Scoring applies the scale
         to the scores, since ReLU(q . s v) = s ReLU(q . v) for s >= 0: one multiply per key, not per dim."""
         if self.kind == "int8":
-            return (rows[..., :self.head_dim].view(torch.int8).float(),
-                    rows[..., self.head_dim:].contiguous().view(torch.float32).squeeze(-1))
+            values = rows[..., :self.head_dim].view(torch.int8).float()
+            if rows.is_contiguous() and rows.data_ptr() % 4 == 0:  # the scale read in place, no copy
+                return values, rows.view(torch.float32)[..., self.head_dim // 4]
+            return values, rows[..., self.head_dim:].contiguous().view(torch.float32).squeeze(-1)
         if self.kind == "fp8":
             return fp8.unpack_index_k_fp8(rows), None
         return rows.contiguous().view(torch.float32), None

@@ -94,8 +94,15 @@ class IndexerKeyCache:
 
     @staticmethod
     def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-        width = scores.shape[1]
-        values, picked = scores.topk(min(top_k, width), dim=-1, sorted=False)
+        b, width = scores.shape
+        k = min(top_k, width)
+        values, picked = scores.topk(k, dim=-1, sorted=False)
+        if not bool((values == float("-inf")).any()):
+            # Every row has k positions: marking them and reading the marks back lists them in ascending
+            # order, for a fraction of what sorting them costs.
+            marked = torch.zeros(b, width, dtype=torch.bool, device=scores.device)
+            marked.scatter_(1, picked, True)
+            return marked.nonzero()[:, 1].view(b, k)
         picked = picked.masked_fill(values == float("-inf"), width)  # padding sorts last...
         picked = picked.sort(dim=-1).values
         return picked.masked_fill_(picked == width, -1)  # ...and reads as -1

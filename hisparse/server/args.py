@@ -50,7 +50,7 @@ class ServerArgs:
     top_k: int = 256
     disable_sparse_attention: bool = False
     swap_in_backend: str = "auto"
-    kv_cache_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
     log_level: str = "info"
@@ -143,7 +143,7 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     ap.add_argument("--disable-sparse-attention", action="store_true",
                     help="decode densely even when the model has an indexer")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
-    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default=d.kv_cache_dtype)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default=d.kv_cache_dtype)
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
                     help="the model's weights and activations (auto: bfloat16 where the device multiplies in it "
                          "natively, else float32); the indexer stays float32")
