@@ -56,36 +56,52 @@ def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor,
                 device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
                 device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
                 next_ranked: torch.Tensor | None = None) -> SwapInResult:
-    policy = resolve_policy(policy)
-    if policy.name not in POLICY_CODES:
-        raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
-    batch, width = top_k.shape
-    # numpy outputs, wrapped at the end: a few microseconds less than torch's per array, 30 layers a step
-    page_table = np.empty((batch, width), np.int64)
-    misses = np.empty(batch, np.int32)
-    evictions = np.empty(batch, np.int32)
-    if batch == 0:
+    return BoundCpuSwapIn(slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy)(top_k, rows, next_ranked)
+
+
+class BoundCpuSwapIn:
+    """`swap_in_cpu` for one layer's tables and pools, their numpy views made once.
+
+    A decode step calls the swap-in of every layer, and at batch 8 turning the bound tensors into numpy
+    views (and the pools into machine words) was a third of a call's Python time; here a call converts
+    only the step's selection.
+    """
+
+    def __init__(self, slot_pos: torch.Tensor, lru: torch.Tensor, device_rows: torch.Tensor, host_rows: torch.Tensor,
+                 host_kv: torch.Tensor, device_kv: torch.Tensor, policy: str | EvictionPolicy = "lru") -> None:
+        policy = resolve_policy(policy)
+        if policy.name not in POLICY_CODES:
+            raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
+        self.code = POLICY_CODES[policy.name]
+        self.table_shape = tuple(slot_pos.shape)
+        self.context = host_rows.shape[1]  # positions must fall in [0, context)
+        self.tables = (slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
+                       policy.state.get("referenced", _NO_REFERENCED).numpy(), policy.state.get("age", _NO_AGE).numpy())
+        # score_lru's constants (the other policies ignore them)
+        self.ages = (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
+                     getattr(policy, "AGE_LIMIT", 0))
+        self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
+        self.row_bytes = host_kv.shape[1] * host_kv.element_size()
+
+    def __call__(self, top_k: torch.Tensor, rows: torch.Tensor,
+                 next_ranked: torch.Tensor | None = None) -> SwapInResult:
+        batch, width = top_k.shape
+        # numpy outputs, wrapped at the end: a few microseconds less than torch's per array, 30 layers a step
+        page_table = np.empty((batch, width), np.int64)
+        misses = np.empty(batch, np.int32)
+        evictions = np.empty(batch, np.int32)
+        if batch == 0:
+            return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
+        ranked = np.empty((batch, 0), np.int64) if next_ranked is None else next_ranked.numpy()
+        plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
+        error, detail, src, dst = plan(top_k.numpy(), rows.numpy(), *self.tables, ranked, self.ages, self.code,
+                                       page_table, misses, evictions)
+        if error:
+            raise_value_error(error, detail, self.table_shape, self.context)
+        if src.size:
+            copy = _copy_rows_parallel if src.size * self.row_bytes >= PARALLEL_MIN_BYTES else _copy_rows_serial
+            copy(self.host_words, self.device_words, src, dst)
         return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
-    referenced = policy.state.get("referenced", _NO_REFERENCED)
-    age = policy.state.get("age", _NO_AGE)
-    if next_ranked is None:
-        next_ranked = torch.empty((batch, 0), dtype=torch.int64)
-    # score_lru's constants (the other policies ignore them)
-    ages = (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-            getattr(policy, "AGE_LIMIT", 0))
-    plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
-    error, detail, src, dst = plan(
-        top_k.numpy(), rows.numpy(), slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
-        referenced.numpy(), age.numpy(), next_ranked.numpy(), ages, POLICY_CODES[policy.name],
-        page_table, misses, evictions,
-    )
-    if error:
-        raise_value_error(error, detail, slot_pos.shape, host_rows.shape[1])
-    if src.size:
-        row_bytes = host_kv.shape[1] * host_kv.element_size()
-        copy = _copy_rows_parallel if src.size * row_bytes >= PARALLEL_MIN_BYTES else _copy_rows_serial
-        copy(_as_words(host_kv), _as_words(device_kv), src, dst)
-    return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
 
 
 def _as_words(kv: torch.Tensor) -> np.ndarray:

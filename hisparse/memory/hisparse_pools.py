@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse.kernels.swap_in import swap_in_kernel
+from hisparse.kernels.swap_in import bound_swap_in
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -168,8 +168,10 @@ class HiSparsePools:
         self.policies = [get_policy(policy, max_requests, buffer, device) for _ in range(num_layers)]
         # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
         self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
-        # Resolved once: every argument of a step's swap-in is built here, so the per-call checks are skipped.
-        self.swap_in = swap_in_kernel(swap_in_backend, self.policies[0], torch.device(device))
+        # Bound once per layer: every argument of a step's swap-in is built here, so the per-call checks are skipped.
+        self.swap_in = [bound_swap_in(swap_in_backend, self.policies[layer], self.slot_pos[layer], self.lru[layer],
+                                      self.device_rows, self.host_rows, self.host_kv[layer], self.device_kv[layer])
+                        for layer in range(num_layers)]
         self.counters = SwapInCounters(num_layers)
 
     # -- admission --------------------------------------------------------------------------------
@@ -265,24 +267,21 @@ class HiSparsePools:
         """Device rows [B, K] of the selected positions [B, K] (-1 padding stays -1), swapping missed
         rows in first; the newest position, when selected, reads its reserved slot. `next_ranked` [B, M]:
         the positions ranked just below the selection, for a policy that reads them (`num_next_ranks`)."""
-        page = torch.full_like(selected, -1)
+        every = step.has_swapping and not step.has_fast  # the usual case: no boolean-mask gathers and scatters
+        page = None if every else torch.full_like(selected, -1)
         if step.has_fast:  # the buffer holds every token: position p is in hot slot p
             fast = step.fast
             valid = selected[fast] >= 0
             page[fast] = torch.where(valid, self.device_rows[step.fast_rows, selected[fast].clamp(min=0)], -1)
             self.counters.fast_path_lookups += int(valid.sum())
         if step.has_swapping:
-            every = not step.has_fast  # the usual case: no boolean-mask gathers and scatters
             swap_sel = selected if every else selected[step.swapping]
             if next_ranked is not None and not every:
                 next_ranked = next_ranked[step.swapping]
             is_newest = swap_sel == step.swap_newest
             top_k = swap_sel.masked_fill(is_newest, -1)
-            device_kv = self.device_kv[layer]
             start = time.perf_counter()
-            result = self.swap_in(top_k, step.swap_rows, self.slot_pos[layer], self.lru[layer], self.device_rows,
-                                  self.host_rows, self.host_kv[layer], device_kv, policy=self.policies[layer],
-                                  next_ranked=next_ranked)
+            result = self.swap_in[layer](top_k, step.swap_rows, next_ranked)
             counters = self.counters
             counters.seconds[layer] += time.perf_counter() - start
             misses = _total(result.misses)
