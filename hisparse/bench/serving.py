@@ -9,10 +9,11 @@ with streaming OpenAI completions at a sweep of concurrencies.
 The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
 requests (prompt + output tokens) with every token's K/V and indexer key on the device, which is what the
 baseline needs; HiSparse gets the very same budget and keeps only a hot buffer per request there. The
-default HiSparse config is sized for that budget: a 352-slot hot buffer (top_k 256 plus slack) and a host
-pool 5x the device's let it admit 16 of the default 1728-token requests where the baseline admits 4. The
-reference's 2 x top_k buffer and 8x pool would admit 10: every device slot also pays for `ratio` indexer
-keys (68 B per layer each, against 1536 B of float32 K/V), and 512 slots per request is 30% of a request.
+default HiSparse config is sized for that budget: a 300-slot hot buffer (top_k 256 plus slack) and a host
+pool 6x the device's let it admit 16 of the default 1728-token requests where the baseline admits 4. The
+reference's 2 x top_k buffer and 8x pool would admit 8: every device slot also pays for `ratio` indexer
+keys (68 B per layer each, against 768 B of bfloat16 K/V), and 512 slots per request is 30% of a request.
+(With a float32 K/V cache, twice the bytes per token, a 352-slot buffer and a 5x pool admitted 16.)
 
 Both servers start at once (loading overlaps; an idle server costs the other nothing) and the modes take
 turns level by level, alternating which goes first, so slow phases of a shared machine hit both alike.
@@ -49,7 +50,7 @@ MODES = ("baseline", "hisparse")
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
 WARMUP_TOKENS = 4
 HITS, MISSES = "hisparse_swap_in_hits_total", "hisparse_swap_in_misses_total"
-DEFAULT_HISPARSE_CONFIG = '{"top_k": 256, "device_buffer_size": 352, "host_to_device_ratio": 5}'
+DEFAULT_HISPARSE_CONFIG = '{"top_k": 256, "device_buffer_size": 300, "host_to_device_ratio": 6}'
 
 
 def parse_concurrency(text: str) -> list[int]:
