@@ -122,6 +122,9 @@ async def _run_level(base_url: str, model: str, prompts: list[list[int]], max_to
 
 
 def run_level(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-              on_chunk: Callable[[int], None] = lambda n: None, poll_interval: float = 0.1) -> LevelRun:
-    """All `prompts`, at most `concurrency` in flight at once."""
+              on_chunk: Callable[[int], None] = lambda n: None, poll_interval: float = 0.5) -> LevelRun:
+    """All `prompts`, at most `concurrency` in flight at once. The running gauge is polled every
+    `poll_interval` seconds: requests run for many seconds, and each poll costs the server a /metrics page
+    (polling every 0.1 s made a batch-1 step about 10% slower: 61-67 ms between tokens without it, 70-73
+    ms with it)."""
     return asyncio.run(_run_level(base_url, model, prompts, max_tokens, concurrency, on_chunk, poll_interval))
