@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
 from hisparse.kernels.numba_threads import choose_threading_layer
 from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy
@@ -414,8 +415,12 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
+    # The engine that records runs the model and its K/V cache in this dtype; greedy decode in another
+    # one may write other tokens, so its traces are other traces.
+    dtype = str(resolve_model_dtype()).removeprefix("torch.")
     num_next = TRACE_NEXT_PER_TOP_K * top_k  # traces without as many next ranks are not reused
-    paths = [trace_dir / f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{i}of{num_requests}.npz"
+    paths = [trace_dir / (f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{dtype}"
+                          f"_{i}of{num_requests}.npz")
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing:
