@@ -18,6 +18,7 @@ OUTPUT_TOKENS = 4
 # buffers (prompts are 4x longer, so decode swaps in) fit 3 of them in the same budget: 88 device slots
 # of 25, and 352 host slots of 100.
 ARGS = ["--prompt-tokens", "96", "--output-tokens", str(OUTPUT_TOKENS), "--concurrency", "1,3",
+        "--poll-interval", "0.02",  # levels of a fraction of a second
         "--baseline-admits", "1", "--hisparse-config",
         '{"top_k": 16, "device_buffer_size": 24, "host_to_device_ratio": 4}']
 
@@ -60,6 +61,9 @@ def test_bad_flags_fail_in_one_line_without_starting_servers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--concurrency", "4,x", "--out-dir", str(tmp_path)])
     assert "--concurrency" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--poll-interval", "0", "--out-dir", str(tmp_path)])
+    assert "--poll-interval: must be > 0" in capsys.readouterr().err
     assert main(["--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}', "--out-dir", str(tmp_path)]) == 2
     assert "--hisparse-config" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
