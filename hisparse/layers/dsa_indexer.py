@@ -76,7 +76,7 @@ class IndexKeyFormat:
         to the scores, since ReLU(q . s v) = s ReLU(q . v) for s >= 0: one multiply per key, not per dim."""
         if self.kind == "int8":
             values = rows[..., :self.head_dim].view(torch.int8).float()
-            if rows.is_contiguous() and rows.data_ptr() % 4 == 0:  # the scale read in place, no copy
+            if self.head_dim % 4 == 0 and rows.is_contiguous() and rows.data_ptr() % 4 == 0:  # scale read in place
                 return values, rows.view(torch.float32)[..., self.head_dim // 4]
             return values, rows[..., self.head_dim:].contiguous().view(torch.float32).squeeze(-1)
         if self.kind == "fp8":

@@ -97,9 +97,10 @@ class IndexerKeyCache:
         b, width = scores.shape
         k = min(top_k, width)
         values, picked = scores.topk(k, dim=-1, sorted=False)
-        if not bool((values == float("-inf")).any()):
+        if scores.device.type == "cpu" and not bool((values == float("-inf")).any()):
             # Every row has k positions: marking them and reading the marks back lists them in ascending
-            # order, for a fraction of what sorting them costs.
+            # order, for a fraction of what sorting them costs on a CPU (on a GPU the check and nonzero()
+            # would each wait for the device).
             marked = torch.zeros(b, width, dtype=torch.bool, device=scores.device)
             marked.scatter_(1, picked, True)
             return marked.nonzero()[:, 1].view(b, k)

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHIPPED_WEIGHTS.exists(),
 
 OUTPUT_TOKENS = 4
 # 100-token requests; the budget holds one of them with all K/V on the device. HiSparse's 24-slot hot
-# buffers (prompts are 4x longer, so decode swaps in) fit 3 of them in the same budget: 88 device slots
-# of 25, and 352 host slots of 100.
+# buffers (prompts are 4x longer, so decode swaps in) fit 3 of them in the same budget: with bfloat16 K/V
+# 80 device slots of 25, and 320 host slots of 100 (float32: 88 and 352).
 ARGS = ["--prompt-tokens", "96", "--output-tokens", str(OUTPUT_TOKENS), "--concurrency", "1,3",
         "--poll-interval", "0.02",  # levels of a fraction of a second
         "--baseline-admits", "1", "--hisparse-config",

@@ -102,7 +102,7 @@ def test_invalid_prompts_are_refused(llm):
 
 def test_admission_is_bounded_by_the_budget_and_nothing_leaks(llama, tokenizer):
     # Room for exactly two requests of 8 + 24 tokens: the other two wait, none fails mid-step.
-    per_token = llama.config.num_layers * 2 * llama.config.kv_size * 4
+    per_token = llama.config.num_layers * 2 * llama.config.kv_size * llama.embed_tokens.weight.element_size()
     llm = make_llm(llama, tokenizer, device_kv_budget=per_token * 70)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8 + i] for i in range(4)]
     outs = llm.generate(prompts, GREEDY)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse.kernels import swap_in_cpu
-from hisparse.kernels.swap_in import SwapInResult, swap_in
+from hisparse.kernels.swap_in import SwapInResult, bound_swap_in, swap_in
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 
 if not torch.cuda.is_available():
@@ -195,6 +195,32 @@ def cpu_parallel_always():
 def test_cpu_matches_reference(policy, case, parallel):
     with cpu_parallel_always() if parallel else nullcontext():
         assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("policy", ["lru", "clock", "score_lru"])
+@FAST
+@given(case=cases())
+def test_bound_swap_in_sees_tables_changed_in_place(backend, policy, case):
+    """The pools bind each layer's swap-in to its tables once (the cpu path keeps numpy views of them);
+    a row reset in place between steps (a request leaves, another takes its row) must reach the bound call
+    as it reaches swap_in."""
+    def replay(bound: bool):
+        c = case.clone()
+        pol = get_policy(policy, num_rows=c.num_rows, num_slots=c.num_slots)
+        call = bound_swap_in(backend, pol, c.slot_pos, c.lru, c.device_rows, c.host_rows, c.host_kv, c.device_kv)
+        results = []
+        for i, (top_k, following) in enumerate(zip(c.steps, c.next_steps, strict=True)):
+            if i == 1:
+                reset_row(c.slot_pos, c.lru, int(c.rows[0]), (), pol)
+            if bound:
+                results.append(call(top_k, c.rows, following))
+            else:
+                results.append(swap_in(top_k, c.rows, c.slot_pos, c.lru, c.device_rows, c.host_rows, c.host_kv,
+                                       c.device_kv, policy=pol, backend=backend, next_ranked=following))
+        return results, None, c, pol
+
+    assert_same_runs(replay(False), replay(True))
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "score_lru"])

@@ -33,9 +33,9 @@ def engine(llama, tokenizer, **kwargs) -> LLMEngine:
     return LLMEngine(config, model=llama, tokenizer=tokenizer)
 
 
-def hisparse_engine(llama, tokenizer, policy="lru", backend="auto", budget=BUDGET) -> LLMEngine:
+def hisparse_engine(llama, tokenizer, policy="lru", backend="auto", budget=BUDGET, **kwargs) -> LLMEngine:
     return engine(llama, tokenizer, enable_hisparse=True, device_kv_budget=budget, swap_in_backend=backend,
-                  hisparse_config={"device_buffer_size": BUFFER, "eviction_policy": policy})
+                  hisparse_config={"device_buffer_size": BUFFER, "eviction_policy": policy}, **kwargs)
 
 
 def generate(e: LLMEngine, prompts, params=PARAMS) -> list[list[int]]:
@@ -66,15 +66,20 @@ def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens
     assert generate(e, prompts) == baseline_tokens
     stats = e.stats_dict()["swap_in"]
     assert stats["misses"] > 0 and stats["hits"] > 0
-    assert stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * 4  # float32 rows
+    assert e.cache.host_kv.dtype == torch.float32  # the float32 model's K/V ("auto")
+    assert stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * 4
     assert_all_free(e)
 
 
-def test_offloading_changes_no_result_in_bfloat16(llama_bf16, tokenizer, prompts):
-    """The default dtype on CPUs with native bfloat16: a float32 cache holds the bfloat16 K/V exactly."""
-    e = hisparse_engine(llama_bf16, tokenizer)
-    assert generate(e, prompts) == generate(engine(llama_bf16, tokenizer), prompts)
-    assert e.stats_dict()["swap_in"]["misses"] > 0
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_offloading_changes_no_result_in_bfloat16(llama_bf16, tokenizer, prompts, kv_cache_dtype):
+    """The default dtype on CPUs with native bfloat16, with its K/V in a bfloat16 cache ("auto": 2-byte rows
+    swapped in) and in a float32 one, which holds the bfloat16 K/V exactly."""
+    e = hisparse_engine(llama_bf16, tokenizer, kv_cache_dtype=kv_cache_dtype)
+    assert generate(e, prompts) == generate(engine(llama_bf16, tokenizer, kv_cache_dtype=kv_cache_dtype), prompts)
+    stats = e.stats_dict()["swap_in"]
+    width = 2 if kv_cache_dtype == "auto" else 4
+    assert stats["misses"] > 0 and stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * width
     assert_all_free(e)
 
 
