@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [heldout_tokens(tokenizer, args.prompt_tokens, offset=97 * i) for i in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     try:
-        mc = model.config  # baseline device bytes per token: K and V in the model's dtype (the engine's kv "auto"),
-        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)  # plus the indexer key
+        # What the baseline pays the device per token: K and V in the model's dtype (kv_cache_dtype "auto"), plus
+        # the indexer key.
+        mc = model.config
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
         per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
         budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
         hisparse_config = EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,

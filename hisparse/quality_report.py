@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hisparse.engine.engine_config import DTYPES, resolve_model_dtype
 from hisparse.layers.attention import causal_attention
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
@@ -297,12 +298,11 @@ def main(argv=None) -> None:
                         "through the real engine, sparse and dense (about 1.5 minutes more)")
     parser.add_argument("--json", type=Path, default=Path("quality_report.json"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="the model's dtype, as the engine's --dtype (default: what the engine would serve in)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from hisparse.engine.engine_config import resolve_model_dtype
     from hisparse.models.loader import load_llama, resolve_model_path
     from hisparse.models.tokenizer import Tokenizer
 

@@ -415,8 +415,8 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
-    # The engine that records runs the model and its K/V cache in this dtype; greedy decode in another
-    # one may write other tokens, so its traces are other traces.
+    # The recording engine runs the model and its K/V cache in this dtype; greedy decode in another one may
+    # write other tokens, so its traces are other traces.
     dtype = str(resolve_model_dtype()).removeprefix("torch.")
     num_next = TRACE_NEXT_PER_TOP_K * top_k  # traces without as many next ranks are not reused
     paths = [trace_dir / (f"{split}_ctx{context}_steps{steps}_k{top_k}_next{num_next}_idx{tag}_{dtype}"
@@ -424,7 +424,7 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing:
-        record_batch(paths, missing, split, num_requests, context, steps, top_k)
+        record_batch(paths, missing, split, num_requests, context, steps, top_k, dtype)
     return [load_topk_trace(p) for p in paths]
 
 
@@ -440,7 +440,7 @@ def indexer_tag() -> str:
 
 
 def record_batch(paths: list[Path], missing: list[int], split: str, num_requests: int, context: int,
-                 steps: int, top_k: int) -> None:
+                 steps: int, top_k: int, dtype: str) -> None:
     from tqdm import tqdm
 
     from hisparse.engine.engine_config import EngineConfig
@@ -454,7 +454,7 @@ def record_batch(paths: list[Path], missing: list[int], split: str, num_requests
                                 "use --synthetic to try the benchmark without it")
     # All layers sparse, as under HiSparse; greedy decode of held-out (or train) text.
     engine = LLMEngine(EngineConfig(top_k=top_k, dense_layers=(), chunked_prefill_size=1024,
-                                    max_running_requests=len(missing)))
+                                    max_running_requests=len(missing), dtype=dtype))
     if engine.cache.sparse is None:
         raise ValueError("the model has no lightning indexer: there is no top-k to record")
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)

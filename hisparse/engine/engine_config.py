@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 GIB = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16")  # what `dtype` and `kv_cache_dtype` accept (and their CLI flags)
 
 
 @dataclass
@@ -59,10 +60,9 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("kv_cache_dtype", "dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be 'auto', 'float32' or 'bfloat16', got {getattr(self, name)!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
 

@@ -16,7 +16,7 @@ class HiSparseConfig:
     device_buffer_size: int | None = None  # hot slots per request per layer; default 2 x top_k
     host_to_device_ratio: int = 8
     # "auto" picks by device (`policy_for`). score_lru: LRU that also counts the indexer's runners-up as
-    # uses; on held-out traces of the default model it removes 18-22% of LRU's excess misses over
+    # uses; on held-out traces of the default model it removes 17-23% of LRU's excess misses over
     # Belady's optimum (hisparse.bench_missrate). "lru" keeps the reference system's exact semantics.
     eviction_policy: str = "auto"
 
@@ -43,8 +43,9 @@ class HiSparseConfig:
 
         On a GPU a miss is a host -> device transfer over PCIe, which score_lru's fewer misses save. On the
         CPU the "device" is the same memory and a miss is a row copy, cheaper than the runners-up score_lru
-        has the indexer rank: at batch 16 and 1.5k tokens of context a decode step costs 1.065x the baseline's
-        with lru and 1.286x with score_lru (`python -m hisparse.bench.decode_overhead`, see the README).
+        has the indexer rank: at batch 16, 1.5k tokens of context and a 300-slot buffer a decode step costs
+        1.10-1.14x the baseline's with lru and 1.32x with score_lru (`python -m hisparse.bench.decode_overhead`,
+        see the README).
         """
         if self.eviction_policy != "auto":
             return self.eviction_policy

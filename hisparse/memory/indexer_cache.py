@@ -97,13 +97,14 @@ class IndexerKeyCache:
         b, width = scores.shape
         k = min(top_k, width)
         values, picked = scores.topk(k, dim=-1, sorted=False)
-        if scores.device.type == "cpu" and not bool((values == float("-inf")).any()):
+        padding = values == float("-inf")  # a row with fewer than k positions
+        if scores.device.type == "cpu" and not bool(padding.any()):
             # Every row has k positions: marking them and reading the marks back lists them in ascending
             # order, for a fraction of what sorting them costs on a CPU (on a GPU the check and nonzero()
             # would each wait for the device).
             marked = torch.zeros(b, width, dtype=torch.bool, device=scores.device)
             marked.scatter_(1, picked, True)
             return marked.nonzero()[:, 1].view(b, k)
-        picked = picked.masked_fill(values == float("-inf"), width)  # padding sorts last...
+        picked = picked.masked_fill(padding, width)  # padding sorts last...
         picked = picked.sort(dim=-1).values
         return picked.masked_fill_(picked == width, -1)  # ...and reads as -1

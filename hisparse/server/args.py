@@ -12,7 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.engine_config import DTYPES, EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -154,8 +154,8 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     ap.add_argument("--disable-sparse-attention", action="store_true",
                     help="decode densely even when the model has an indexer")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default=d.kv_cache_dtype)
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
+    ap.add_argument("--kv-cache-dtype", choices=DTYPES, default=d.kv_cache_dtype)
+    ap.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                     help="the model's weights and activations (auto: bfloat16 where the device multiplies in it "
                          "natively, else float32); the indexer stays float32")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
