@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from hisparse.train_indexer import attention_target, kl_loss, main
+from hisparse.train_indexer import attention_target, kl_loss, main, topk_margin_loss, worst_head_miss
 
 
 def test_target_is_the_models_head_averaged_attention(llama):
@@ -37,11 +37,33 @@ def test_kl_loss_is_kl_divergence():
     torch.testing.assert_close(kl_loss(target, logits), want)
 
 
+def test_topk_margin_loss_charges_the_mass_below_the_kth_score_and_lifts_it():
+    target = torch.tensor([[0.7, 0.1, 0.1, 0.1, 0.0, 0.0]])
+    ranked_well = torch.tensor([[9.0, 8.0, 7.0, 1.0, 0.0, -1e30]], requires_grad=True)
+    ranked_badly = torch.tensor([[1.0, 8.0, 7.0, 9.0, 0.0, -1e30]], requires_grad=True)
+    well, badly = topk_margin_loss(target, ranked_well, 3), topk_margin_loss(target, ranked_badly, 3)
+    assert badly.item() > 2 * well.item()
+    badly.backward()
+    grad = ranked_badly.grad[0]
+    assert grad[0] < 0  # descent raises the heavy key that fell out...
+    assert grad[2] > 0  # ...and lowers the k-th key that crowds it out
+    assert grad[5] == 0  # a masked (future) position takes no gradient
+
+
+def test_worst_head_miss_is_zero_for_the_oracle_and_counts_a_lost_head(llama):
+    torch.manual_seed(2)
+    x = torch.randn(48, llama.config.hidden_size)
+    rows = torch.tensor([20, 33, 47])
+    target = attention_target(llama, 3, x, rows)
+    assert worst_head_miss(llama, 3, x, rows, target, 8) == 0.0
+    assert worst_head_miss(llama, 3, x, rows, -target, 8) > 0.05
+
+
 def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
     common = ["--seq-len", "128", "--max-chunks", "2", "--layers", "2", "--queries", "32", "--min-row", "16",
               "--top-k", "16", "--epochs", "2", "--threads", "2", "--lr", "1e-2"]
     straight = main([*common, "--out", str(tmp_path / "a")])
-    assert straight[-1]["train_kl"] < straight[0]["train_kl"]
+    assert straight[-1]["train_loss"] < straight[0]["train_loss"]
     first = main([*common, "--out", str(tmp_path / "b"), "--stop-after", "1"])
     assert len(first) == 1 and not (tmp_path / "b" / "smollm2_indexer.safetensors").exists()
     rest = main([*common, "--out", str(tmp_path / "b"), "--resume"])
