@@ -336,6 +336,7 @@ def main(argv=None) -> list[dict]:
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         first_epoch = state["epoch"] + 1
+        started -= state.get("seconds", 0.0)  # the epoch lines count the time of every invocation
         say(f"resumed after epoch {state['epoch']}")
 
     t = args.seq_len
@@ -381,9 +382,10 @@ def main(argv=None) -> list[dict]:
             f"{r['layer']}:{r['mass']:.2f}/{r['oracle']:.2f},{r['worst_head_miss']:.3f}" for r in report))
         summaries.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                           "heldout_kl": float(np.mean([r["kl"] for r in report])), "mass_ratio": float(ratio),
-                          "worst_head_miss": worst})
+                          "worst_head_miss": worst, "seconds": time.perf_counter() - started})
         torch.save({"indexers": [ix.state_dict() for ix in indexers], "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args)}, checkpoint)
+                    "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args),
+                    "seconds": summaries[-1]["seconds"]}, checkpoint)
     if last_epoch < args.epochs:
         say(f"stopped after epoch {last_epoch}; continue with --resume")
         return summaries

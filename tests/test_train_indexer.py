@@ -68,6 +68,7 @@ def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
     assert len(first) == 1 and not (tmp_path / "b" / "smollm2_indexer.safetensors").exists()
     rest = main([*common, "--out", str(tmp_path / "b"), "--resume"])
     assert [s["epoch"] for s in rest] == [2]
+    assert rest[0]["seconds"] > first[0]["seconds"]  # the clock carries over a resume
     a = load_file(str(tmp_path / "a" / "smollm2_indexer.safetensors"))
     b = load_file(str(tmp_path / "b" / "smollm2_indexer.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
