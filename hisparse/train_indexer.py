@@ -79,12 +79,9 @@ _MASKED = -1e30  # finite, so that 0 * log p stays 0 at masked (future) position
 
 
 @torch.no_grad()
-def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
-    """The frozen model's attention of query rows `rows` over keys 0..T-1 of the sequence whose layer
-    input is x [T, hidden], summed over heads and L1-normalised: [R, T], zero after each row's position.
-
-    reduce="max" takes the largest head's probability per key instead of the sum (then L1-normalises):
-    a key one head attends to sharply weighs as much as a key all heads attend to."""
+def head_attention(model, layer: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The frozen model's attention of query rows `rows` over keys 0..T-1 of the sequence whose layer input
+    is x [T, hidden], per query head: [H, R, T], zero after each row's position."""
     attn = model.layers[layer].attn
     mc = model.config
     groups, per_group, d = mc.num_kv_heads, mc.num_heads // mc.num_kv_heads, mc.head_dim
@@ -96,11 +93,22 @@ def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor, red
     logits = torch.bmm(qg, k.permute(1, 2, 0)).view(mc.num_heads, len(rows), -1)
     logits.mul_(model.attention_scale)
     future = torch.arange(x.shape[0])[None, :] > rows[:, None]
-    probs = logits.masked_fill_(future, float("-inf")).softmax(-1)
+    return logits.masked_fill_(future, float("-inf")).softmax(-1)
+
+
+def reduce_heads(probs: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """[H, R, T] -> [R, T]: the sum over heads L1-normalised (the mean), or with reduce="max" the largest
+    head's probability per key, L1-normalised: a key one head attends to sharply weighs as much as a key
+    all heads attend to."""
     if reduce == "max":
         top = probs.amax(0)
         return top / top.sum(-1, keepdim=True)
     return probs.mean(0)
+
+
+def attention_target(model, layer: int, x: torch.Tensor, rows: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """The training target: `head_attention` reduced over heads (`reduce_heads`), [R, T]."""
+    return reduce_heads(head_attention(model, layer, x, rows), reduce)
 
 
 def indexer_logits(indexer: LlamaIndexer, x: torch.Tensor, rows: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -144,37 +152,28 @@ def topk_margin_loss(target: torch.Tensor, logits: torch.Tensor, top_k: int) -> 
     return (target * below).sum(-1).mean()
 
 
-def worst_head_miss(model, layer: int, x: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
-                    top_k: int) -> float:
-    """Mean over rows of the largest per-head attention mass that the oracle's top_k keeps and the indexer's
-    loses. The head-summed mass hides a head whose keys all fall out (an induction head reads one key); this
-    is the figure that moved with perplexity when single layers were retrained."""
-    attn = model.layers[layer].attn
-    mc = model.config
-    groups, d = mc.num_kv_heads, mc.head_dim
-    cos, sin = model.rotary.cos_sin(torch.arange(x.shape[0]))
-    q = apply_rope_half((x[rows] @ attn.q_proj.weight.T).view(-1, mc.num_heads, d), cos[rows], sin[rows])
-    k = apply_rope_half((x @ attn.k_proj.weight.T).view(-1, groups, d), cos, sin)
-    logits = torch.einsum("nhd,shd->hns", q, k.repeat_interleave(mc.num_heads // groups, dim=1))
-    future = torch.arange(x.shape[0])[None, :] > rows[:, None]
-    probs = logits.mul_(model.attention_scale).masked_fill_(future, float("-inf")).softmax(-1)  # [H, R, T]
-    every = torch.arange(len(rows))
-    mean = probs.mean(0)
-    mean[every, rows] = float("inf")
-    scores = scores.clone()
-    scores[every, rows] = float("inf")
-    kept = probs.gather(2, scores.topk(top_k, dim=-1).indices.expand(mc.num_heads, -1, -1)).sum(-1)
-    best = probs.gather(2, mean.topk(top_k, dim=-1).indices.expand(mc.num_heads, -1, -1)).sum(-1)
+def worst_head_miss(probs: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, top_k: int) -> float:
+    """Mean over rows of the largest per-head attention mass (probs [H, R, T], `head_attention`) that the
+    oracle's top_k (of the head mean) keeps and the indexer's (of scores [R, T]) loses, the newest position
+    forced into both. The head-summed mass hides a head whose keys all fall out (an induction head reads
+    one key); this is the figure that moved with perplexity when single layers were retrained."""
+    heads = probs.shape[0]
+    kept = probs.gather(2, _topk_with_newest(scores, rows, top_k).expand(heads, -1, -1)).sum(-1)
+    best = probs.gather(2, _topk_with_newest(probs.mean(0), rows, top_k).expand(heads, -1, -1)).sum(-1)
     return float((best - kept).amax(0).mean())
+
+
+def _topk_with_newest(scores: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Indices [R, top_k] of each row's top_k scores with the row's own position forced in, as decode does."""
+    scores = scores.clone()
+    scores[torch.arange(len(rows)), rows] = float("inf")
+    return scores.topk(top_k, dim=-1).indices
 
 
 def topk_mass(target: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, top_k: int) -> tuple[float, float]:
     """(indexer mass, oracle mass): mean over rows of the target mass inside the indexer's top_k (newest
     position forced in, as decode does) and inside the target's own top_k."""
-    scores = scores.clone()
-    scores[torch.arange(len(rows)), rows] = float("inf")
-    picked = scores.topk(top_k, dim=-1).indices
-    mass = target.gather(1, picked).sum(-1)
+    mass = target.gather(1, _topk_with_newest(scores, rows, top_k)).sum(-1)
     oracle = target.topk(top_k, dim=-1).values.sum(-1)
     return float(mass.mean()), float(oracle.mean())
 
@@ -224,11 +223,12 @@ def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int,
         for layer in layers:
             indexer = indexers[layer]
             x = torch.from_numpy(np.asarray(store[0, layer])).float()
-            target = attention_target(model, layer, x, rows)
+            probs = head_attention(model, layer, x, rows)
+            target = reduce_heads(probs)
             logits = indexer_logits(indexer, x, rows, cos, sin)
             mass, oracle = topk_mass(target, logits, rows, top_k)
             out.append({"layer": layer, "kl": float(kl_loss(target, logits)), "mass": mass, "oracle": oracle,
-                        "worst_head_miss": worst_head_miss(model, layer, x, rows, logits, top_k)})
+                        "worst_head_miss": worst_head_miss(probs, logits, rows, top_k)})
     return out
 
 

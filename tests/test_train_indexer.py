@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from hisparse.train_indexer import attention_target, kl_loss, main, topk_margin_loss, worst_head_miss
+from hisparse.train_indexer import (
+    attention_target,
+    head_attention,
+    kl_loss,
+    main,
+    topk_margin_loss,
+    worst_head_miss,
+)
 
 
 def test_target_is_the_models_head_averaged_attention(llama):
@@ -54,9 +61,9 @@ def test_worst_head_miss_is_zero_for_the_oracle_and_counts_a_lost_head(llama):
     torch.manual_seed(2)
     x = torch.randn(48, llama.config.hidden_size)
     rows = torch.tensor([20, 33, 47])
-    target = attention_target(llama, 3, x, rows)
-    assert worst_head_miss(llama, 3, x, rows, target, 8) == 0.0
-    assert worst_head_miss(llama, 3, x, rows, -target, 8) > 0.05
+    target, probs = attention_target(llama, 3, x, rows), head_attention(llama, 3, x, rows)
+    assert worst_head_miss(probs, target, rows, 8) == 0.0
+    assert worst_head_miss(probs, -target, rows, 8) > 0.05
 
 
 def test_training_lowers_kl_and_resumes_to_the_same_weights(tmp_path):
