@@ -25,11 +25,11 @@ exchange argument), so no online policy beats it.
 
 Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
 HiSparse) on the Python-documentation corpus and cached in --trace-dir: `heldout` text for the reported
-numbers, `train` text for choosing `score_lru`'s constants (`--split train --tune`). `--synthetic`
+numbers, `train` text for choosing `score_lru`'s constants and `lrfu`'s decay (`--split train --tune`). `--synthetic`
 replays generated traces instead (no model needed; for tests and smoke runs).
 
-Each row also says what share of LRU's excess over the optimum `score_lru` removes:
-(lru - score_lru) / (lru - optimum).
+Each row also says what share of LRU's excess over the optimum `lrfu` and `score_lru` remove:
+(lru - policy) / (lru - optimum).
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from numba import njit, prange
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, ScoreLRUPolicy
+from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, LRFUPolicy, ScoreLRUPolicy
 from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K
 
 choose_threading_layer()
 
 OPTIMUM = "optimum"
 POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compared
-POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
-_LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
-CHALLENGER = ScoreLRUPolicy.name  # the policy whose share of LRU's gap each row reports
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
+_LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
+CHALLENGERS = (LRFUPolicy.name, ScoreLRUPolicy.name)  # the policies whose share of LRU's gap each row reports
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
 
@@ -79,7 +79,8 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots, held_state):
 
 
 @njit(cache=True)
-def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, misses):
+def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
+                     misses):
     """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
 
     sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
@@ -96,8 +97,8 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
     order = np.arange(num_slots).astype(np.int64)
     new_order = np.empty(num_slots, np.int64)
     pos_slot = np.full(context, -1, np.int64)
-    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; score_lru: age
-    age = np.empty(num_slots, np.int64)  # score_lru: this step's ages
+    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; score_lru: age; lrfu: value
+    age = np.empty(num_slots, np.int64)  # score_lru: this step's ages; lrfu: decayed values
     mark = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
     evictable = np.empty(num_slots, np.int64)
     hits = np.empty(num_slots, np.int64)
@@ -164,6 +165,15 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             for v in range(n_miss):
                 victims[v] = evictable[ranked[v]]
                 mark[victims[v]] = 2
+        elif policy == _LRFU:
+            for s in range(num_slots):
+                age[s] = state[s] - (state[s] >> decay_shift)
+            for i in range(n_ev):  # lowest value first, ties in eviction order
+                keys[i] = age[evictable[i]]
+            ranked = np.argsort(keys[:n_ev], kind="mergesort")
+            for v in range(n_miss):
+                victims[v] = evictable[ranked[v]]
+                mark[victims[v]] = 2
         else:
             for v in range(n_miss):
                 victims[v] = evictable[v]
@@ -182,7 +192,7 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             slot_pos[s] = p
             pos_slot[p] = s
         # the new order
-        if policy == _LRU:
+        if policy == _LRU or policy == _LRFU:
             k = 0
             for i in range(n_ev):
                 if mark[evictable[i]] == 0:
@@ -194,6 +204,13 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             for i in range(n_hit):
                 new_order[k] = hits[i]
                 k += 1
+            if policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one
+                for s in range(num_slots):
+                    state[s] = age[s]
+                for i in range(n_hit):
+                    state[hits[i]] += hit
+                for i in range(n_miss):
+                    state[victims[i]] = hit
         elif policy == _FIFO:
             k = 0
             for i in range(num_slots):
@@ -309,7 +326,7 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 
 @njit(parallel=True, cache=True)
-def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age):
+def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift):
     """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
@@ -317,7 +334,7 @@ def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
         else:
             _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
-                             held_age, out[layer])
+                             held_age, hit, decay_shift, out[layer])
     return out
 
 
@@ -327,13 +344,14 @@ def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
 
 
 def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
-             load_steps: int | None = None, next_per_spare: int | None = None) -> np.ndarray:
+             load_steps: int | None = None, next_per_spare: int | None = None,
+             decay_shift: int | None = None) -> np.ndarray:
     """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
 
     `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_spare` override
     score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_SPARE_SLOT (the engine passes it
     NEXT_RANKS_PER_SPARE_SLOT x (num_slots - top_k) next-ranked positions, so the trace must hold at
-    least that many).
+    least that many); `decay_shift` overrides lrfu's DECAY_SHIFT.
     """
     if policy != OPTIMUM and policy not in POLICY_CODES:
         raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
@@ -354,7 +372,9 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
         nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
     else:
         nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
-    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT, p.HELD_AGE)
+    shift = LRFUPolicy.DECAY_SHIFT if decay_shift is None else decay_shift
+    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT, p.HELD_AGE,
+                            LRFUPolicy.HIT, shift)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
@@ -505,21 +525,42 @@ TUNE_GRID = {"touch": [2, 4, 8, 16], "load_steps": [0, 2, 4, 8], "next_per_spare
 def tune_score_lru(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int, int], list[float]]:
     """For every (touch, load_steps, next_per_spare) in TUNE_GRID, score_lru's share of LRU's gap closed
     at each buffer size of `results` that has a gap (LRU and the optimum are taken from there)."""
-    sized = [r for r in results if gap_closed(r) is not None]
+    sized = [r for r in results if _has_gap(r)]
     grid = {}
     for touch in TUNE_GRID["touch"]:
         for load in TUNE_GRID["load_steps"]:
             for per in TUNE_GRID["next_per_spare"]:
                 shares = []
                 for r in sized:
-                    misses = misses_per_step_per_layer(traces, r.num_slots, CHALLENGER, touch=touch,
+                    misses = misses_per_step_per_layer(traces, r.num_slots, ScoreLRUPolicy.name, touch=touch,
                                                        load_steps=load, next_per_spare=per)
-                    shares.append(gap_closed(Result(r.buffer_factor, r.num_slots, {**r.misses, CHALLENGER: misses})))
+                    shares.append(_share(r, ScoreLRUPolicy.name, misses))
                 grid[(touch, load, per)] = shares
     return grid
 
 
-def gap_closed(result: Result, policy: str = CHALLENGER) -> float | None:
+LRFU_DECAY_SHIFTS = [3, 4, 5]  # decays of 7/8, 15/16 and 31/32 a step
+
+
+def tune_lrfu(traces: list[TopkTrace], results: list[Result]) -> dict[int, list[float]]:
+    """For every DECAY_SHIFT in LRFU_DECAY_SHIFTS, lrfu's share of LRU's gap closed at each buffer size of
+    `results` that has a gap."""
+    sized = [r for r in results if _has_gap(r)]
+    return {shift: [_share(r, LRFUPolicy.name, misses_per_step_per_layer(traces, r.num_slots, LRFUPolicy.name,
+                                                                         decay_shift=shift))
+                    for r in sized]
+            for shift in LRFU_DECAY_SHIFTS}
+
+
+def _has_gap(result: Result) -> bool:
+    return result.misses["lru"] - result.misses[OPTIMUM] > 1e-9
+
+
+def _share(result: Result, policy: str, misses: float) -> float | None:
+    return gap_closed(Result(result.buffer_factor, result.num_slots, {**result.misses, policy: misses}), policy)
+
+
+def gap_closed(result: Result, policy: str) -> float | None:
     """The share of LRU's excess over the optimum that `policy` removes (None when LRU has no excess)."""
     misses = result.misses
     if "lru" not in misses or policy not in misses:
@@ -530,16 +571,17 @@ def gap_closed(result: Result, policy: str = CHALLENGER) -> float | None:
 
 def markdown_table(results: list[Result], policies: list[str]) -> str:
     cols = [*policies, OPTIMUM]
+    challengers = [c for c in CHALLENGERS if c in policies and "lru" in policies]
     lines = ["| buffer | slots | " + " | ".join(cols) + " | " + " | ".join(f"{p} excess" for p in policies)
-             + f" | {CHALLENGER} closes of LRU's gap |",
-             "|" + "---|" * (2 + len(cols) + len(policies) + 1)]
+             + "".join(f" | {c} closes of LRU's gap" for c in challengers) + " |",
+             "|" + "---|" * (2 + len(cols) + len(policies) + len(challengers))]
     for r in results:
         opt = r.misses[OPTIMUM]
-        closed = gap_closed(r)
+        closed = [gap_closed(r, c) for c in challengers]
         lines.append(f"| {r.buffer_factor:g}x | {r.num_slots} | " + " | ".join(f"{r.misses[c]:.2f}" for c in cols)
                      + " | " + " | ".join(f"+{r.misses[p] - opt:.2f} ({r.misses[p] / opt:.2f}x)" if opt > 0
                                           else f"+{r.misses[p] - opt:.2f}" for p in policies)
-                     + (f" | {closed:.0%} |" if closed is not None else " | - |"))
+                     + "".join(f" | {x:.0%}" if x is not None else " | -" for x in closed) + " |")
     return "\n".join(lines)
 
 
@@ -577,7 +619,8 @@ def main(argv=None) -> None:
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
                         help="text the traces are recorded on (tune on train, report on heldout)")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--tune", action="store_true", help="also grid-search score_lru's constants at 2x top_k")
+    parser.add_argument("--tune", action="store_true",
+                        help="also grid-search score_lru's constants and lrfu's decay (needs lru in --policies)")
     parser.add_argument("--synthetic", action="store_true", help="replay generated traces (no model needed)")
     parser.add_argument("--out", type=Path, default=Path("missrate_results"))
     parser.add_argument("--no-progress", action="store_true")
@@ -602,23 +645,25 @@ def main(argv=None) -> None:
              f"top_k {top_k}, {traces[0].num_layers} layers")
     table = markdown_table(results, policies)
     p = ScoreLRUPolicy
-    constants = {"touch_age_per_rank": p.TOUCH_AGE_PER_RANK, "load_age_steps": p.LOAD_AGE_STEPS,
-                 "next_ranks_per_spare_slot": p.NEXT_RANKS_PER_SPARE_SLOT}
-    described = (f"{CHALLENGER}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
-                 f"{p.NEXT_RANKS_PER_SPARE_SLOT} next ranks per spare slot")
+    constants = {p.name: {"touch_age_per_rank": p.TOUCH_AGE_PER_RANK, "load_age_steps": p.LOAD_AGE_STEPS,
+                          "next_ranks_per_spare_slot": p.NEXT_RANKS_PER_SPARE_SLOT},
+                 LRFUPolicy.name: {"decay_shift": LRFUPolicy.DECAY_SHIFT}}
+    described = (f"{p.name}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
+                 f"{p.NEXT_RANKS_PER_SPARE_SLOT} next ranks per spare slot; "
+                 f"{LRFUPolicy.name}: decay 1 - 2^-{LRFUPolicy.DECAY_SHIFT} a step")
     print(f"\nmisses per step per layer ({title}; {described})\n")
     print(table)
     report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
-              "steps": args.steps, "top_k": top_k, "num_layers": traces[0].num_layers, CHALLENGER: constants,
+              "steps": args.steps, "top_k": top_k, "num_layers": traces[0].num_layers, "constants": constants,
               "results": [{"buffer_factor": r.buffer_factor, "num_slots": r.num_slots, "misses": r.misses,
                            "excess_over_optimum": {p: r.misses[p] - r.misses[OPTIMUM] for p in policies},
-                           f"{CHALLENGER}_gap_closed": gap_closed(r)}
+                           **{f"{c}_gap_closed": gap_closed(r, c) for c in CHALLENGERS if c in r.misses}}
                           for r in results]}
     if args.tune:
         grid = tune_score_lru(traces, results)
-        sizes = [f"{r.buffer_factor:g}x" for r in results if gap_closed(r) is not None]
+        sizes = [f"{r.buffer_factor:g}x" for r in results if _has_gap(r)]
         best = max(grid, key=lambda key: float(np.mean(grid[key])))
-        print(f"\n{CHALLENGER}'s share of LRU's gap closed, per buffer size and on average\n")
+        print(f"\n{ScoreLRUPolicy.name}'s share of LRU's gap closed, per buffer size and on average\n")
         print("| touch | load age | next per spare slot | " + " | ".join(sizes) + " | mean |\n|"
               + "---|" * (4 + len(sizes)))
         for (touch, load, per), shares in grid.items():
@@ -626,10 +671,20 @@ def main(argv=None) -> None:
                   + f" | {np.mean(shares):.1%} |")
         print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} next ranks per spare slot: "
               f"{np.mean(grid[best]):.1%} on average")
+        decays = tune_lrfu(traces, results)
+        best_shift = max(decays, key=lambda shift: float(np.mean(decays[shift])))
+        print(f"\n{LRFUPolicy.name}'s share of LRU's gap closed\n")
+        print("| decay shift | decay a step | " + " | ".join(sizes) + " | mean |\n|" + "---|" * (3 + len(sizes)))
+        for shift, shares in decays.items():
+            print(f"| {shift} | {1 - 2.0 ** -shift:.4g} | " + " | ".join(f"{x:.0%}" for x in shares)
+                  + f" | {np.mean(shares):.1%} |")
+        print(f"\nbest: decay shift {best_shift}: {np.mean(decays[best_shift]):.1%} on average")
         names = ("touch", "load_steps", "next_per_spare")
         report["tune"] = {"sizes": sizes, "best": dict(zip(names, best, strict=True)),
                           "grid": [{"touch": t, "load_steps": x, "next_per_spare": n, "gap_closed": v}
-                                   for (t, x, n), v in grid.items()]}
+                                   for (t, x, n), v in grid.items()],
+                          LRFUPolicy.name: {"best_decay_shift": best_shift,
+                                            "grid": [{"decay_shift": k, "gap_closed": v} for k, v in decays.items()]}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {described})\n\n{table}\n")

@@ -23,8 +23,8 @@ import torch
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 BACKENDS = ("reference", "cpu", "triton", "auto")
-TRITON_POLICIES = ("lru", "fifo", "score_lru")
-CPU_POLICIES = ("lru", "fifo", "clock", "score_lru")  # any other runs on the reference under "auto"
+TRITON_POLICIES = ("lru", "fifo", "score_lru", "lrfu")
+CPU_POLICIES = ("lru", "fifo", "clock", "score_lru", "lrfu")  # any other runs on the reference under "auto"
 
 
 @dataclass

@@ -40,8 +40,8 @@ from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 choose_threading_layer()
 
-POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3}
-_LRU, _FIFO, _CLOCK, _SCORE_LRU = 0, 1, 2, 3
+POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
+_LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 _HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash; odd, so it permutes the low bits
 # Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
 # workers, milliseconds on a loaded machine), so small steps run on the calling thread.
@@ -76,10 +76,12 @@ class BoundCpuSwapIn:
         self.table_shape = tuple(slot_pos.shape)
         self.context = host_rows.shape[1]  # positions must fall in [0, context)
         self.tables = (slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
-                       policy.state.get("referenced", _NO_REFERENCED).numpy(), policy.state.get("age", _NO_AGE).numpy())
-        # score_lru's constants (the other policies ignore them)
-        self.ages = (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-                     getattr(policy, "AGE_LIMIT", 0))
+                       policy.state.get("referenced", _NO_REFERENCED).numpy(),
+                       policy.state.get("age", policy.state.get("value", _NO_AGE)).numpy())
+        # score_lru's constants, or lrfu's (HIT, DECAY_SHIFT, 0); the other policies ignore them
+        self.ages = ((policy.HIT, policy.DECAY_SHIFT, 0) if policy.name == "lrfu" else
+                     (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
+                      getattr(policy, "AGE_LIMIT", 0)))
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
 
@@ -197,6 +199,14 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         for i in range(n_evictable):
             older_first[i] = -new_age[evictable[i]]
         victims = evictable[:n_evictable][np.argsort(older_first, kind="mergesort")]
+    elif policy == _LRFU:  # decay every value a step, take the lowest evictables (age holds the values)
+        new_age = np.empty(num_slots, np.int64)
+        for s in range(num_slots):
+            new_age[s] = age[r, s] - (age[r, s] >> load_steps)
+        lowest_first = np.empty(n_evictable, np.int64)
+        for i in range(n_evictable):
+            lowest_first[i] = new_age[evictable[i]]
+        victims = evictable[:n_evictable][np.argsort(lowest_first, kind="mergesort")]
 
     # The i-th miss (column order) takes the policy's i-th victim.
     n_miss = 0
@@ -232,7 +242,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         page_table[b, j] = device_rows[r, s]
 
     # The new order.
-    if policy == _LRU or policy == _SCORE_LRU:
+    if policy == _LRU or policy == _SCORE_LRU or policy == _LRFU:
         # LRU's: untouched evictables, then the loaded slots, then the hits (for lru the victims are the
         # oldest evictables, so the untouched ones are evictable[n_miss:]).
         k = 0
@@ -258,6 +268,13 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
             ranked = np.argsort(older_first, kind="mergesort")
             for i in range(num_slots):
                 lru[r, i] = base[ranked[i]]
+            for s in range(num_slots):
+                age[r, s] = new_age[s]
+        elif policy == _LRFU:  # a hit adds a selection (touch holds HIT), a loaded slot starts at one
+            for i in range(n_hits):
+                new_age[hits[i]] += touch
+            for i in range(n_miss):
+                new_age[victims[i]] = touch
             for s in range(num_slots):
                 age[r, s] = new_age[s]
     elif policy == _FIFO:

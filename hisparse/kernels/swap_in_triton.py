@@ -9,12 +9,13 @@ flags, exclusive prefix sums (ranks of evictables, hits and misses) and scatters
 barriers where a phase reads what another lane wrote. The program then copies its own missed rows,
 one row at a time in vectors of raw words (any dtype, bfloat16 included).
 
-Policies: lru, fifo and score_lru (clock's sequential hand sweep does not map onto a block; use the cpu
-or the reference backend). score_lru's two stable sorts by age (victims among the evictables, then the
-new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 | index`: the index makes
+Policies: lru, fifo, score_lru and lrfu (clock's sequential hand sweep does not map onto a block; use
+the cpu or the reference backend). score_lru's two stable sorts by age (victims among the evictables, then
+the new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 | index`: the index makes
 every key distinct, so the sort is stable and its low bits say where each entry came from. Its next-ranked
 positions are found with the same sparse set as the selected ones; a position listed twice keeps its best
-rank (`atomic_min`). On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
+rank (`atomic_min`). lrfu's victims are one such sort, by decayed value (`value << 20 | index`), and its
+new order is LRU's. On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     evictions = torch.empty(batch, dtype=torch.int32, device=device)
     if batch == 0:
         return SwapInResult(page_table, misses, evictions)
-    score_lru = policy.name == "score_lru"
-    if score_lru and num_slots >= _INDEX_LIMIT:
-        raise ValueError(f"the triton score_lru swap-in packs slot indices in 20 bits; {num_slots} slots is too many")
+    score_lru, lrfu = policy.name == "score_lru", policy.name == "lrfu"
+    sorts = score_lru or lrfu
+    if sorts and num_slots >= _INDEX_LIMIT:
+        raise ValueError(f"the triton {policy.name} swap-in packs slot indices in 20 bits; "
+                         f"{num_slots} slots is too many")
     if next_ranked is None or not score_lru:
         next_ranked = torch.empty((batch, 0), dtype=torch.int64, device=device)
     num_next = next_ranked.shape[1]
-    age = policy.state["age"] if score_lru else torch.zeros((1, 1), dtype=torch.int32, device=device)
+    age = (policy.state["age"] if score_lru else policy.state["value"] if lrfu
+           else torch.zeros((1, 1), dtype=torch.int32, device=device))
     block_s = triton.next_power_of_2(num_slots)
     block_k = triton.next_power_of_2(max(width, 1))
     host_words = _as_words(host_kv)
@@ -61,18 +65,19 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     by_rank = torch.empty((batch, block_s), dtype=torch.int32, device=device)
     miss_src = torch.empty((batch, block_k), dtype=torch.int64, device=device)
     miss_dst = torch.empty((batch, block_k), dtype=torch.int64, device=device)
-    # score_lru's scratch: each slot's best next rank, its aged age, and each entry's place after a sort
+    # score_lru's scratch: each slot's best next rank, its aged age (lrfu: decayed value), and each
+    # entry's place after a sort
     touch = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
-    aged = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
-    placed = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
+    aged = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
+    placed = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     _swap_in_kernel[(batch,)](
         top_k, rows, slot_pos, lru, device_rows, host_rows, host_words, device_words,
         page_table, misses, evictions, lookup, hit_flags, by_rank, miss_src, miss_dst,
         next_ranked, age, touch, aged, placed,
         width, num_slots, context, words, num_next,
         getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-        getattr(policy, "AGE_LIMIT", 0),
-        FIFO=policy.name == "fifo", SCORE_LRU=score_lru, BLOCK_K=block_k, BLOCK_S=block_s,
+        getattr(policy, "AGE_LIMIT", 0), getattr(policy, "HIT", 0), getattr(policy, "DECAY_SHIFT", 0),
+        FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )
     return SwapInResult(page_table, misses, evictions)
@@ -96,8 +101,9 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
                     host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
                     next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
-                    K, S, C, WORDS, M, TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT,
-                    FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                    K, S, C, WORDS, M, TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, HIT, DECAY_SHIFT,
+                    FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_S: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b)
@@ -163,6 +169,20 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         tl.store(by_rank_ptr + b * BLOCK_S + slots, tl.load(lru_ptr + r * S + from_index, mask=sorted_ok, other=0),
                  mask=sorted_ok)
         tl.store(placed_ptr + b * BLOCK_S + from_index, slots, mask=sorted_ok)
+    elif LRFU:
+        # Decay every value a step; evictables by ascending value, ties in order: one sort, as above.
+        old_value = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
+        tl.store(aged_ptr + b * BLOCK_S + slots, old_value - (old_value >> DECAY_SHIFT), mask=in_s)
+        tl.debug_barrier()
+        value_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
+        big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
+        key = tl.where(ev_i != 0, (value_o << 20) | slots.to(tl.int64), big)
+        key = tl.sort(key, 0)
+        from_index = (key & 1048575).to(tl.int32)
+        sorted_ok = slots < n_ev
+        tl.store(by_rank_ptr + b * BLOCK_S + slots, tl.load(lru_ptr + r * S + from_index, mask=sorted_ok, other=0),
+                 mask=sorted_ok)
+        tl.store(placed_ptr + b * BLOCK_S + from_index, slots, mask=sorted_ok)
     else:
         tl.store(by_rank_ptr + b * BLOCK_S + ev_rank, order, mask=ev_i != 0)
     tl.debug_barrier()
@@ -204,6 +224,16 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         tl.debug_barrier()
         new_slot = tl.load(by_rank_ptr + b * BLOCK_S + (key & 1048575).to(tl.int32), mask=in_s, other=0)
         tl.store(lru_ptr + r * S + slots, new_slot, mask=in_s)
+    elif LRFU:
+        # LRU's new order (untouched evictables, loaded in miss order, hits); a hit adds HIT, a load starts at it.
+        victim_rank = tl.load(placed_ptr + b * BLOCK_S + slots, mask=ev, other=0)
+        victim_o = ev & (victim_rank < n_miss)
+        kept_i = (ev & (victim_rank >= n_miss)).to(tl.int32)
+        new_index = tl.where(victim_o, n_ev - n_miss + victim_rank,
+                             tl.where(ev, tl.cumsum(kept_i, 0) - kept_i, n_ev + hit_rank))
+        new_value = tl.where(victim_o, HIT, tl.where(ev, value_o, value_o + HIT))
+        tl.store(age_ptr + r * S + order, new_value.to(tl.int32), mask=in_s)
+        tl.store(lru_ptr + r * S + new_index, order, mask=in_s)
     elif FIFO:
         loaded = ev & (ev_rank < n_miss)
         keep_i = (in_s & (loaded == 0)).to(tl.int32)

@@ -140,8 +140,8 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help="full KV in a host pool, a small hot buffer per request on the device")
     ap.add_argument("--hisparse-config", default=d.hisparse_config,
                     help='JSON, e.g. \'{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 8, '
-                         '"eviction_policy": "score_lru"}\'; eviction_policy: auto (default: score_lru on a GPU, '
-                         'lru on the CPU), score_lru, lru, fifo or clock')
+                         '"eviction_policy": "lrfu"}\'; eviction_policy: auto (default: lrfu on a GPU, '
+                         'lru on the CPU), lrfu, score_lru, lru, fifo or clock')
     ap.add_argument("--max-running-requests", type=positive_int, default=d.max_running_requests)
     ap.add_argument("--max-queued-requests", type=positive_int, default=d.max_queued_requests,
                     help="requests allowed to wait for a running slot; more get HTTP 429 at once")

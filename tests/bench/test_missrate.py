@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse.bench.missrate import (
-    CHALLENGER,
+    CHALLENGERS,
     OPTIMUM,
     POLICIES,
     POLICY_CODES,
@@ -25,9 +25,10 @@ from hisparse.engine.topk_trace import TopkTrace
 from hisparse.kernels.swap_in import swap_in
 from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_row
 
-# simulate()'s names for score_lru's constants -> the policy's attributes
-SCORE_LRU_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
-                    "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT"}
+# simulate()'s names for score_lru's and lrfu's constants -> the policy's attributes
+POLICY_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
+                 "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT"}
+SCORE_LRU = "score_lru"
 
 
 def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: int) -> np.ndarray:
@@ -40,8 +41,8 @@ def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: 
     for layer in range(trace.num_layers):
         slot_pos, lru = new_slot_tables(1, num_slots)
         policy = make_policy(policy_name, 1, num_slots)
-        for key, value in params.items():  # score_lru's constants, as simulate() takes them
-            setattr(policy, SCORE_LRU_PARAMS[key], value)
+        for key, value in params.items():  # the policy's constants, as simulate() takes them
+            setattr(policy, POLICY_PARAMS[key], value)
         num_next = policy.num_next_ranks(trace.top_k)
         device_rows = torch.arange(num_slots).view(1, -1)
         host_rows = torch.arange(context).view(1, -1)
@@ -114,28 +115,36 @@ def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, ne
     params = {"touch": touch, "load_steps": load_steps, "next_per_spare": next_per_spare}
     trace = synthetic_trace(seed=7, num_layers=2, context=60, steps=30, top_k=16, sinks=2, window=4)
     for num_slots in (16, 28):
-        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, **params),
-                                      engine_replay(trace, num_slots, CHALLENGER, **params))
+        np.testing.assert_array_equal(simulate(trace, num_slots, SCORE_LRU, **params),
+                                      engine_replay(trace, num_slots, SCORE_LRU, **params))
 
 
 def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
     trace = synthetic_trace(seed=5, num_layers=2, context=120, steps=30, top_k=16)
     for num_slots in (20, 32):
-        np.testing.assert_array_equal(simulate(trace, num_slots, CHALLENGER, load_steps=0, next_per_spare=0),
+        np.testing.assert_array_equal(simulate(trace, num_slots, SCORE_LRU, load_steps=0, next_per_spare=0),
                                       simulate(trace, num_slots, "lru"))
+
+
+@pytest.mark.parametrize("decay_shift", [1, 3, 6])
+def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift):
+    trace = random_trace(11, num_layers=2, start=30, steps=25, top_k=12, keep=0.7)
+    for num_slots in (14, 24):
+        np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", decay_shift=decay_shift),
+                                      engine_replay(trace, num_slots, "lrfu", decay_shift=decay_shift))
 
 
 def test_score_lru_beats_lru_on_the_synthetic_traces():
     """The synthetic score drifts slowly, so its runners-up predict the next steps: the ranks must pay."""
     traces = [synthetic_trace(seed, num_layers=2, context=400, steps=40, top_k=32) for seed in range(3)]
-    total = {p: sum(int(simulate(t, 64, p).clip(min=0).sum()) for t in traces) for p in ("lru", CHALLENGER)}
-    assert total[CHALLENGER] < 0.95 * total["lru"]
+    total = {p: sum(int(simulate(t, 64, p).clip(min=0).sum()) for t in traces) for p in ("lru", SCORE_LRU)}
+    assert total[SCORE_LRU] < 0.95 * total["lru"]
 
 
 def test_a_trace_without_enough_next_ranks_is_refused():
     trace = synthetic_trace(seed=1, num_layers=1, context=60, steps=5, top_k=16, next_per_top_k=1)
     with pytest.raises(ValueError, match="record it again"):
-        simulate(trace, 32, CHALLENGER)
+        simulate(trace, 32, SCORE_LRU)
 
 
 def test_fast_path_steps_have_no_misses_and_are_marked():
@@ -173,13 +182,15 @@ def test_cli_runs_end_to_end_on_a_synthetic_trace(tmp_path, capsys):
     main(["--synthetic", "--num-requests", "2", "--context", "200", "--steps", "12", "--top-k", "16",
           "--buffers", "1,2", "--out", str(tmp_path), "--no-progress"])
     printed = capsys.readouterr().out
-    assert "optimum" in printed and "lru excess" in printed and f"{CHALLENGER} closes of LRU's gap" in printed
+    assert "optimum" in printed and "lru excess" in printed
+    assert all(f"{c} closes of LRU's gap" in printed for c in CHALLENGERS)
     report = json.loads((tmp_path / "missrate.json").read_text())
     assert [r["buffer_factor"] for r in report["results"]] == [1.0, 2.0]
     for r in report["results"]:
         assert set(r["misses"]) == {*POLICIES, OPTIMUM}
         assert all(v >= -1e-9 for v in r["excess_over_optimum"].values())
-        assert r[f"{CHALLENGER}_gap_closed"] is None or r[f"{CHALLENGER}_gap_closed"] <= 1 + 1e-9
+        for c in CHALLENGERS:
+            assert r[f"{c}_gap_closed"] is None or r[f"{c}_gap_closed"] <= 1 + 1e-9
     table = (tmp_path / "missrate.md").read_text()
     assert "\n| 1x | 16 |" in table and "\n| 2x | 32 |" in table
     assert (tmp_path / "missrate.png").read_bytes()[:4] == b"\x89PNG"
@@ -188,7 +199,10 @@ def test_cli_runs_end_to_end_on_a_synthetic_trace(tmp_path, capsys):
 def test_tune_grids_score_lru_constants_on_synthetic_traces(tmp_path, capsys):
     main(["--synthetic", "--num-requests", "1", "--context", "300", "--steps", "16", "--top-k", "32",
           "--buffers", "1,2", "--out", str(tmp_path), "--no-progress", "--tune"])
-    assert "best: touch" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "best: touch" in printed and "best: decay shift" in printed
     tune = json.loads((tmp_path / "missrate.json").read_text())["tune"]
     assert tune["sizes"] == ["1x", "2x"] and len(tune["grid"]) == 4 * 4 * 2
     assert all(len(cell["gap_closed"]) == 2 for cell in tune["grid"])
+    assert [cell["decay_shift"] for cell in tune["lrfu"]["grid"]] == [3, 4, 5]
+    assert all(len(cell["gap_closed"]) == 2 for cell in tune["lrfu"]["grid"])

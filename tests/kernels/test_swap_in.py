@@ -189,7 +189,7 @@ def cpu_parallel_always():
         swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES = saved
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru", "lrfu"])
 @FAST
 @given(case=cases(), parallel=st.booleans())
 def test_cpu_matches_reference(policy, case, parallel):
@@ -198,7 +198,7 @@ def test_cpu_matches_reference(policy, case, parallel):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("policy", ["lru", "clock", "score_lru"])
+@pytest.mark.parametrize("policy", ["lru", "clock", "score_lru", "lrfu"])
 @FAST
 @given(case=cases())
 def test_bound_swap_in_sees_tables_changed_in_place(backend, policy, case):
@@ -223,7 +223,7 @@ def test_bound_swap_in_sees_tables_changed_in_place(backend, policy, case):
     assert_same_runs(replay(False), replay(True))
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "score_lru"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "score_lru", "lrfu"])
 @TRITON
 @given(case=cases(max_batch=3, max_slots=12, max_steps=3))
 def test_triton_matches_reference(policy, case):

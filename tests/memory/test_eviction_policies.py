@@ -11,6 +11,7 @@ from hisparse.memory.eviction import (
     EVICTION_POLICIES,
     ClockPolicy,
     FIFOPolicy,
+    LRFUPolicy,
     LRUPolicy,
     ScoreLRUPolicy,
     get_policy,
@@ -125,7 +126,39 @@ def test_score_lru_fills_empty_slots_before_evicting_even_though_newcomers_start
     assert sorted(filled) == [1, 2, 3] and pos[0] == 5
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo", "clock", "score_lru"])
+def test_lrfu_keeps_the_often_selected_token_that_lru_would_evict():
+    # Two slots holding 10 (slot 0) and 11 (slot 1); 10 is selected three steps running, then 11, then a
+    # newcomer 20 arrives: LRU evicts 10 (least recently used), LRFU evicts 11 (selected once).
+    policy = LRFUPolicy(num_rows=1, num_slots=2)
+    pos, order, value = [10, 11], [0, 1], [0, 0]
+    for top_k in ([10], [10], [10], [11]):
+        plan = policy.plan_row(top_k, pos, order, {"value": value})
+        assert plan.victims == []
+        order, value = plan.order, plan.state["value"]
+    hit, shift = LRFUPolicy.HIT, LRFUPolicy.DECAY_SHIFT
+
+    def decay(v):
+        return v - (v >> shift)
+
+    assert value == [decay(decay(decay(hit) + hit) + hit), hit]  # three selections, decayed once since
+    assert order == [0, 1]  # LRU's order: 10 is the older one
+    assert LRUPolicy().plan_row([20], pos, order).victims == [0]
+    plan = policy.plan_row([20], pos, order, {"value": value})
+    assert plan.victims == [1] and plan.slots == [1]
+    assert plan.state["value"] == [decay(value[0]), hit]  # the newcomer starts at one selection
+    assert plan.order == [0, 1]
+
+
+def test_lrfu_values_decay_to_zero_and_ties_go_in_lru_order():
+    policy = LRFUPolicy(num_rows=1, num_slots=3)
+    plan = policy.plan_row([20], [10, 11, 12], [2, 0, 1], {"value": [15, 15, 0]})
+    assert plan.victims == [2]  # value 0, and first in order
+    assert plan.state["value"][:2] == [15 - (15 >> LRFUPolicy.DECAY_SHIFT)] * 2 == [15, 15]
+    plan = policy.plan_row([21], [10, 11, 20], [2, 0, 1], {"value": [0, 0, LRFUPolicy.HIT]})
+    assert plan.victims == [0]  # slots 0 and 1 tie at 0: the older in order goes
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "clock", "score_lru", "lrfu"])
 def test_empty_slots_are_used_before_any_token_is_evicted(name):
     slot_pos, lru = new_slot_tables(1, 4)
     policy = get_policy(name, num_rows=1, num_slots=4)
@@ -149,7 +182,8 @@ def test_plan_rejects_duplicate_selection():
 
 
 def test_registry_names_and_unknown_policy():
-    assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock", "score_lru"}
+    assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock", "score_lru", "lrfu"}
+    assert get_policy("lrfu", num_rows=1, num_slots=512).num_next_ranks(256) == 0
     assert get_policy("score_lru", num_rows=1, num_slots=512).num_next_ranks(256) == 2 * (512 - 256)
     assert get_policy("score_lru", num_rows=1, num_slots=256).num_next_ranks(256) == 0
     assert get_policy("lru").num_next_ranks(256) == 0

@@ -60,7 +60,8 @@ def baseline_tokens(llama, tokenizer, prompts):
 
 
 @pytest.mark.parametrize("policy, backend",
-                         [("lru", "cpu"), ("fifo", "cpu"), ("clock", "reference"), ("score_lru", "cpu")])
+                         [("lru", "cpu"), ("fifo", "cpu"), ("clock", "reference"), ("score_lru", "cpu"),
+                          ("lrfu", "cpu")])
 def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens, policy, backend):
     e = hisparse_engine(llama, tokenizer, policy, backend)
     assert generate(e, prompts) == baseline_tokens
@@ -159,7 +160,7 @@ def test_bad_hisparse_config_names_the_problem(value, field):
 def test_config_defaults_follow_the_reference():
     config = HiSparseConfig.parse('{"top_k": 2048}')
     assert config.device_buffer_size == 4096 and config.eviction_policy == "auto"
-    assert config.policy_for("cpu") == "lru" and config.policy_for("cuda:0") == "score_lru"
+    assert config.policy_for("cpu") == "lru" and config.policy_for("cuda:0") == "lrfu"
     assert HiSparseConfig.parse('{"eviction_policy": "fifo"}').policy_for("cuda") == "fifo"
     with pytest.raises(ValueError, match="enable_hisparse"):
         EngineConfig(hisparse_config={"top_k": 8})
