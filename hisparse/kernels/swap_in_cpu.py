@@ -199,10 +199,11 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         for i in range(n_evictable):
             older_first[i] = -new_age[evictable[i]]
         victims = evictable[:n_evictable][np.argsort(older_first, kind="mergesort")]
-    elif policy == _LRFU:  # decay every value a step, take the lowest evictables (age holds the values)
+    elif policy == _LRFU:  # decay every value a step, take the lowest evictables (`age` holds the values)
+        decay_shift = load_steps  # lrfu's constants ride in score_lru's places: (HIT, DECAY_SHIFT, 0)
         new_age = np.empty(num_slots, np.int64)
         for s in range(num_slots):
-            new_age[s] = age[r, s] - (age[r, s] >> load_steps)
+            new_age[s] = age[r, s] - (age[r, s] >> decay_shift)
         lowest_first = np.empty(n_evictable, np.int64)
         for i in range(n_evictable):
             lowest_first[i] = new_age[evictable[i]]
@@ -270,11 +271,12 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
                 lru[r, i] = base[ranked[i]]
             for s in range(num_slots):
                 age[r, s] = new_age[s]
-        elif policy == _LRFU:  # a hit adds a selection (touch holds HIT), a loaded slot starts at one
+        elif policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one
+            hit = touch
             for i in range(n_hits):
-                new_age[hits[i]] += touch
+                new_age[hits[i]] += hit
             for i in range(n_miss):
-                new_age[victims[i]] = touch
+                new_age[victims[i]] = hit
             for s in range(num_slots):
                 age[r, s] = new_age[s]
     elif policy == _FIFO:
