@@ -86,15 +86,17 @@ def assert_all_free(cache: HiSparseLatentCache) -> None:
     assert (cache.slot_pos == -1).all()
 
 
-@pytest.mark.parametrize("latent_kind, backend", [("bfloat16", "cpu"), ("fp8", "reference")])
-def test_offloading_changes_no_result(model, latent_kind, backend):
+@pytest.mark.parametrize("latent_kind, backend, policy",
+                         [("bfloat16", "cpu", "auto"), ("fp8", "reference", "auto"), ("bfloat16", "cpu", "lrfu")])
+def test_offloading_changes_no_result(model, latent_kind, backend, policy):
     ps = prompts()
     baseline = [model.new_cache(MAX_CONTEXT, latent_kind, "fp8") for _ in ps]
     base_tokens, base_logits = interleaved_greedy(model, baseline, ps)
 
     cache = HiSparseLatentCache.for_model(
-        model, {"device_buffer_size": BUFFER, "host_to_device_ratio": RATIO}, budget_bytes=BUDGET,
-        max_sequences=4, max_context=MAX_CONTEXT, latent_kind=latent_kind, swap_in_backend=backend)
+        model, {"device_buffer_size": BUFFER, "host_to_device_ratio": RATIO, "eviction_policy": policy},
+        budget_bytes=BUDGET, max_sequences=4, max_context=MAX_CONTEXT, latent_kind=latent_kind,
+        swap_in_backend=backend)
     assert cache.config.top_k == TOP_K and cache.row_bytes == ROW_BYTES[latent_kind]
     sequences = [cache.open(len(p) + NEW_TOKENS) for p in ps]
     tokens, logits = interleaved_greedy(model, sequences, ps)
