@@ -79,7 +79,7 @@ class BoundCpuSwapIn:
                        policy.state.get("referenced", _NO_REFERENCED).numpy(),
                        policy.state.get("age", policy.state.get("value", _NO_AGE)).numpy())
         # score_lru's constants, or lrfu's (HIT, DECAY_SHIFT, 0); the other policies ignore them
-        self.ages = ((policy.HIT, policy.DECAY_SHIFT, 0) if policy.name == "lrfu" else
+        self.ages = ((*policy.constants(), 0) if policy.name == "lrfu" else
                      (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
                       getattr(policy, "AGE_LIMIT", 0)))
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)

@@ -76,7 +76,7 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
         next_ranked, age, touch, aged, placed,
         width, num_slots, context, words, num_next,
         getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-        getattr(policy, "AGE_LIMIT", 0), getattr(policy, "HIT", 0), getattr(policy, "DECAY_SHIFT", 0),
+        getattr(policy, "AGE_LIMIT", 0), *(policy.constants() if lrfu else (0, 0)),
         FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )

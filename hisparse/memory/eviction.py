@@ -293,17 +293,26 @@ class LRFUPolicy(EvictionPolicy):
     HIT: ClassVar[int] = 1 << 16
     DECAY_SHIFT: ClassVar[int] = 5
 
+    def constants(self) -> tuple[int, int]:
+        """(HIT, DECAY_SHIFT), checked: a slot hit every step tends to HIT x 2**DECAY_SHIFT, which the
+        int32 state must hold (the kernels would wrap around silently)."""
+        if self.HIT < 1 or self.DECAY_SHIFT < 1 or (self.HIT + 1) << self.DECAY_SHIFT >= 1 << 31:
+            raise ValueError(f"lrfu's HIT ({self.HIT}) and DECAY_SHIFT ({self.DECAY_SHIFT}) must be >= 1 with "
+                             f"(HIT + 1) << DECAY_SHIFT below 2**31")
+        return self.HIT, self.DECAY_SHIFT
+
     def choose(self, order, is_hit, num_misses, state, next_rank, width):
-        value = [v - (v >> self.DECAY_SHIFT) for v in state["value"]]
+        hit, shift = self.constants()
+        value = [v - (v >> shift) for v in state["value"]]
         evictable = [s for s in order if not is_hit[s]]
         victims = sorted(evictable, key=lambda s: value[s])[:num_misses]  # stable: ties in order
         taken = set(victims)
         new_order = [s for s in evictable if s not in taken] + victims + [s for s in order if is_hit[s]]
-        for s, hit in enumerate(is_hit):
-            if hit:
-                value[s] += self.HIT
+        for s, selected in enumerate(is_hit):
+            if selected:
+                value[s] += hit
         for s in victims:
-            value[s] = self.HIT
+            value[s] = hit
         return victims, new_order, {"value": value}
 
 

@@ -158,6 +158,14 @@ def test_lrfu_values_decay_to_zero_and_ties_go_in_lru_order():
     assert plan.victims == [0]  # slots 0 and 1 tie at 0: the older in order goes
 
 
+def test_lrfu_refuses_constants_its_int32_state_cannot_hold():
+    policy = LRFUPolicy(num_rows=1, num_slots=2)
+    assert policy.constants() == (LRFUPolicy.HIT, LRFUPolicy.DECAY_SHIFT)
+    policy.DECAY_SHIFT = 15  # a slot hit every step would reach 2**31
+    with pytest.raises(ValueError, match="DECAY_SHIFT"):
+        policy.plan_row([20], [10, 11], [0, 1], {"value": [0, 0]})
+
+
 @pytest.mark.parametrize("name", ["lru", "fifo", "clock", "score_lru", "lrfu"])
 def test_empty_slots_are_used_before_any_token_is_evicted(name):
     slot_pos, lru = new_slot_tables(1, 4)
