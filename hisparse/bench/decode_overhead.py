@@ -1,7 +1,7 @@
 """What HiSparse costs a decode step at equal batch: the same requests, the same batch, offloaded or not.
 
     python -m hisparse.bench.decode_overhead [--batch 8] [--context 2048] [--steps 24] [--repeats 3]
-                                             [--hisparse-config JSON]
+                                             [--hisparse-config JSON] [--policies A,B]
 
 Both engines get a budget large enough to run the whole batch at once, so they run identical batches.
 Each repeat gives both the same prompts, prefills them (untimed), then steps the two engines in turn,
@@ -10,11 +10,15 @@ fraction of a second apart, so the load of a shared machine hits both alike (tim
 after the other gave ratios from 1.07 to 1.25 for the same code). Printed: the median step time of
 each mode and their ratio (HiSparse / baseline, the median over repeats of each repeat's ratio), with a
 target of at most 1.10. Contexts are longer than the hot buffer, so swap-in really runs.
+
+`--policies lru,lrfu` times two HiSparse engines instead, the same config but these eviction policies,
+and prints the second's step time over the first's and each one's hit rate and swap-in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -57,7 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
+    parser.add_argument("--policies", default=None,
+                        help="two eviction policies, e.g. lru,lrfu: compare HiSparse with each instead of the baseline")
     args = parser.parse_args(argv)
+    policies = None if args.policies is None else args.policies.split(",")
+    if policies is not None and len(policies) != 2:
+        parser.error("--policies takes two eviction policies, e.g. lru,lrfu")
 
     path = default_model_path()
     model, tokenizer = load_llama(path, dtype=resolve_model_dtype()), Tokenizer.from_path(path)
@@ -65,25 +74,33 @@ def main(argv: list[str] | None = None) -> None:
     budget = 2 << 30
     common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)
     hisparse = EngineConfig(**common, enable_hisparse=True, hisparse_config=args.hisparse_config)
-    engines = {"baseline": LLMEngine(hisparse.without_hisparse(), model=model, tokenizer=tokenizer),
-               "hisparse": LLMEngine(hisparse, model=model, tokenizer=tokenizer)}
+    if policies is None:
+        configs = {"baseline": hisparse.without_hisparse(), "hisparse": hisparse}
+    else:
+        configs = {name: dataclasses.replace(hisparse, hisparse_config=dataclasses.replace(
+            hisparse.hisparse_config, eviction_policy=name)) for name in policies}
+    engines = {name: LLMEngine(config, model=model, tokenizer=tokenizer) for name, config in configs.items()}
+    first, second = engines
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     ratios = []
     identical = True
     for _ in tqdm(range(args.repeats), desc="repeats"):
         times, outputs = interleaved_step_seconds(engines, prompts, args.steps)
-        identical = identical and outputs["baseline"] == outputs["hisparse"]
+        identical = identical and outputs[first] == outputs[second]
         for name in engines:
             seconds[name] += times[name]
-        ratios.append(statistics.median(times["hisparse"]) / statistics.median(times["baseline"]))
-    base, hs = statistics.median(seconds["baseline"]), statistics.median(seconds["hisparse"])
-    swap = engines["hisparse"].stats_dict()["swap_in"]
+        ratios.append(statistics.median(times[second]) / statistics.median(times[first]))
+    steps = {name: statistics.median(seconds[name]) for name in engines}
     print(f"batch {args.batch}, context {args.context}, {args.steps} decode steps x {args.repeats} repeats")
-    print(f"baseline step {base * 1e3:.1f} ms, hisparse step {hs * 1e3:.1f} ms, ratio {statistics.median(ratios):.3f} "
-          f"(target <= 1.10; per repeat {', '.join(f'{r:.3f}' for r in ratios)})")
-    share = swap["swap_in_seconds"] / sum(seconds["hisparse"])
-    print(f"hisparse hit rate {swap['hit_rate']:.1%}; swap-in {share:.1%} of the decode time; "
-          f"outputs identical: {identical}")
+    target = "" if policies else "target <= 1.10; "
+    print(f"{first} step {steps[first] * 1e3:.1f} ms, {second} step {steps[second] * 1e3:.1f} ms, "
+          f"ratio {statistics.median(ratios):.3f} ({target}per repeat {', '.join(f'{r:.3f}' for r in ratios)})")
+    for name in engines if policies else [second]:
+        swap = engines[name].stats_dict()["swap_in"]
+        share = swap["swap_in_seconds"] / sum(seconds[name])
+        print(f"{name} hit rate {swap['hit_rate']:.1%}; {swap['misses']} misses; swap-in "
+              f"{swap['swap_in_seconds']:.2f} s, {share:.1%} of the decode time")
+    print(f"outputs identical: {identical}")
 
 
 if __name__ == "__main__":

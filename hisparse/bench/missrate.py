@@ -152,24 +152,20 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
                 victims[v] = s
                 state[s] = 1
                 mark[s] = 2
-        elif policy == _SCORE_LRU:
-            for s in range(num_slots):
-                age[s] = min(state[s] + unit, limit)
-            for j in range(nxt.shape[1]):  # the best rank of a position listed twice wins (min)
-                p = nxt[t, j]
-                if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0:
-                    age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1) * spare // unit)
-            for i in range(n_ev):  # oldest first, ties in eviction order
-                keys[i] = -age[evictable[i]]
-            ranked = np.argsort(keys[:n_ev], kind="mergesort")
-            for v in range(n_miss):
-                victims[v] = evictable[ranked[v]]
-                mark[victims[v]] = 2
-        elif policy == _LRFU:
-            for s in range(num_slots):
-                age[s] = state[s] - (state[s] >> decay_shift)
-            for i in range(n_ev):  # lowest value first, ties in eviction order
-                keys[i] = age[evictable[i]]
+        elif policy == _SCORE_LRU or policy == _LRFU:
+            if policy == _SCORE_LRU:
+                for s in range(num_slots):
+                    age[s] = min(state[s] + unit, limit)
+                for j in range(nxt.shape[1]):  # the best rank of a position listed twice wins (min)
+                    p = nxt[t, j]
+                    if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0:
+                        age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1) * spare // unit)
+            else:
+                for s in range(num_slots):
+                    age[s] = state[s] - (state[s] >> decay_shift)
+            sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest count first
+            for i in range(n_ev):  # ties in eviction order
+                keys[i] = sign * age[evictable[i]]
             ranked = np.argsort(keys[:n_ev], kind="mergesort")
             for v in range(n_miss):
                 victims[v] = evictable[ranked[v]]

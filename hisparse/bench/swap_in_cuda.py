@@ -31,7 +31,7 @@ import torch
 
 from hisparse.bench.swap_in import ROW_VALUES, Pools, make_pools, make_top_k
 from hisparse.kernels.swap_in import TRITON_POLICIES, swap_in
-from hisparse.memory.eviction import EvictionPolicy, get_policy
+from hisparse.memory.eviction import get_policy
 
 CHECK_BUFFER, CHECK_TOP_K, CHECK_STEPS = 512, 256, 6
 
@@ -58,27 +58,24 @@ def check_policy(name: str, device: str, batch: int, gen: torch.Generator) -> in
     first difference. Returns the misses seen (so a check that never missed is visible)."""
     reference = make_pools(batch + 1, CHECK_BUFFER, torch.bfloat16, 64 << 20, gen)
     kernel = to_device(reference, device)
-    policies: dict[str, EvictionPolicy] = {}
-    for side in ("reference", "triton"):
-        policies[side] = get_policy(name, num_rows=batch + 1, num_slots=CHECK_BUFFER,
-                                    device="cpu" if side == "reference" else device)
+    want_policy = get_policy(name, num_rows=batch + 1, num_slots=CHECK_BUFFER)
+    got_policy = get_policy(name, num_rows=batch + 1, num_slots=CHECK_BUFFER, device=device)
     rows = torch.randperm(batch + 1, generator=gen)[:batch]
     context = reference.host_rows.shape[1]
     misses = 0
     for step in range(CHECK_STEPS):
         top_k = make_top_k(reference, batch + 1, CHECK_TOP_K, round(0.3 * (batch + 1) * CHECK_TOP_K), gen)[rows]
-        ranked = next_ranked_for(top_k, context, gen) if name == "score_lru" else None
+        ranked = next_ranked_for(top_k, context, gen) if want_policy.num_next_ranks(CHECK_TOP_K) else None
         want = swap_in(top_k, rows, reference.slot_pos, reference.lru, reference.device_rows, reference.host_rows,
-                       reference.host_kv, reference.device_kv, policy=policies["reference"], backend="reference",
+                       reference.host_kv, reference.device_kv, policy=want_policy, backend="reference",
                        next_ranked=ranked)
         got = swap_in(top_k.to(device), rows.to(device), kernel.slot_pos, kernel.lru, kernel.device_rows,
-                      kernel.host_rows, kernel.host_kv, kernel.device_kv, policy=policies["triton"],
+                      kernel.host_rows, kernel.host_kv, kernel.device_kv, policy=got_policy,
                       backend="triton", next_ranked=None if ranked is None else ranked.to(device))
         pairs = {"page_table": (want.page_table, got.page_table), "misses": (want.misses, got.misses),
                  "evictions": (want.evictions, got.evictions), "slot_pos": (reference.slot_pos, kernel.slot_pos),
                  "lru": (reference.lru, kernel.lru), "device_kv": (reference.device_kv, kernel.device_kv)}
-        pairs.update({f"state {key}": (policies["reference"].state[key], policies["triton"].state[key])
-                      for key in policies["reference"].state})
+        pairs.update({f"state {key}": (want_policy.state[key], got_policy.state[key]) for key in want_policy.state})
         for what, (a, b) in pairs.items():
             if not torch.equal(a, b.cpu()):
                 raise AssertionError(f"{name}, batch {batch}, step {step}: triton and reference differ in {what}")

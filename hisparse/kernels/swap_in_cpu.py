@@ -77,11 +77,8 @@ class BoundCpuSwapIn:
         self.context = host_rows.shape[1]  # positions must fall in [0, context)
         self.tables = (slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
                        policy.state.get("referenced", _NO_REFERENCED).numpy(),
-                       policy.state.get("age", policy.state.get("value", _NO_AGE)).numpy())
-        # score_lru's constants, or lrfu's (HIT, DECAY_SHIFT, 0); the other policies ignore them
-        self.ages = ((*policy.constants(), 0) if policy.name == "lrfu" else
-                     (getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-                      getattr(policy, "AGE_LIMIT", 0)))
+                       _NO_AGE.numpy() if policy.kernel_state() is None else policy.kernel_state().numpy())
+        self.constants = policy.kernel_constants()  # score_lru's or lrfu's; the other policies ignore them
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
 
@@ -96,7 +93,7 @@ class BoundCpuSwapIn:
             return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
         ranked = np.empty((batch, 0), np.int64) if next_ranked is None else next_ranked.numpy()
         plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
-        error, detail, src, dst = plan(top_k.numpy(), rows.numpy(), *self.tables, ranked, self.ages, self.code,
+        error, detail, src, dst = plan(top_k.numpy(), rows.numpy(), *self.tables, ranked, self.constants, self.code,
                                        page_table, misses, evictions)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
@@ -149,7 +146,7 @@ def _hash_set(positions, b):
 
 
 @njit(cache=True)
-def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, ages, policy,
+def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, constants, policy,
               page_table, miss_src, miss_dst):
     """One request's bookkeeping; returns (misses, evictions). Scratch is allocated here, per call."""
     width = top_k.shape[1]
@@ -179,12 +176,15 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
             n_evictable += 1
 
     # score_lru: age every slot a step, let next-ranked positions look younger, take the oldest evictables.
+    # lrfu: decay every count a step, take the lowest evictables. Both keep the new value in new_age.
     victims = evictable
-    touch, load_steps, limit = ages
-    unit = max(width, 1)  # ages count in 1/width of a step
+    c0, c1, limit = constants  # score_lru: (touch, load steps, age limit); lrfu: (hit, decay shift, 0)
+    unit = max(width, 1)  # score_lru's ages count in 1/width of a step
     spare = max(num_slots - width, 0)
-    new_age = np.empty(num_slots if policy == _SCORE_LRU else 0, np.int64)
+    sorts = policy == _SCORE_LRU or policy == _LRFU
+    new_age = np.empty(num_slots if sorts else 0, np.int64)
     if policy == _SCORE_LRU:
+        touch = c0
         for s in range(num_slots):
             new_age[s] = min(np.int64(age[r, s]) + unit, limit)
         if next_ranked.shape[1] > 0:
@@ -195,19 +195,16 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
                     j = _slot_of(rank_keys, rank_cols, p)
                     if j >= 0:
                         new_age[s] = min(new_age[s], np.int64(touch) * (j + 1) * spare // unit)
-        older_first = np.empty(n_evictable, np.int64)
-        for i in range(n_evictable):
-            older_first[i] = -new_age[evictable[i]]
-        victims = evictable[:n_evictable][np.argsort(older_first, kind="mergesort")]
-    elif policy == _LRFU:  # decay every value a step, take the lowest evictables (`age` holds the values)
-        decay_shift = load_steps  # lrfu's constants ride in score_lru's places: (HIT, DECAY_SHIFT, 0)
-        new_age = np.empty(num_slots, np.int64)
+    elif policy == _LRFU:
+        decay_shift = c1
         for s in range(num_slots):
             new_age[s] = age[r, s] - (age[r, s] >> decay_shift)
-        lowest_first = np.empty(n_evictable, np.int64)
+    if sorts:  # victims by ascending key, ties in eviction order (a stable sort)
+        sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest count first
+        sort_keys = np.empty(n_evictable, np.int64)
         for i in range(n_evictable):
-            lowest_first[i] = new_age[evictable[i]]
-        victims = evictable[:n_evictable][np.argsort(lowest_first, kind="mergesort")]
+            sort_keys[i] = sign * new_age[evictable[i]]
+        victims = evictable[:n_evictable][np.argsort(sort_keys, kind="mergesort")]
 
     # The i-th miss (column order) takes the policy's i-th victim.
     n_miss = 0
@@ -258,6 +255,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
             lru[r, k] = hits[i]
             k += 1
         if policy == _SCORE_LRU:  # ... stably sorted by descending new age
+            load_steps = c1
             for i in range(n_miss):
                 new_age[victims[i]] = min(load_steps * unit, limit)
             for i in range(n_hits):
@@ -269,14 +267,13 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
             ranked = np.argsort(older_first, kind="mergesort")
             for i in range(num_slots):
                 lru[r, i] = base[ranked[i]]
-            for s in range(num_slots):
-                age[r, s] = new_age[s]
         elif policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one
-            hit = touch
+            hit = c0
             for i in range(n_hits):
                 new_age[hits[i]] += hit
             for i in range(n_miss):
                 new_age[victims[i]] = hit
+        if sorts:
             for s in range(num_slots):
                 age[r, s] = new_age[s]
     elif policy == _FIFO:
@@ -341,7 +338,7 @@ def _flatten_misses(miss_src, miss_dst, misses):
 
 
 @njit(cache=True)
-def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, ages,
+def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, constants,
                        policy, page_table, misses, evictions):
     """Check, plan every request, and list the copies: (error, detail, src rows, dst rows)."""
     error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
@@ -351,7 +348,7 @@ def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, refer
     if error == 0:
         for b in range(top_k.shape[0]):
             n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                                        next_ranked, ages, policy, page_table, miss_src, miss_dst)
+                                        next_ranked, constants, policy, page_table, miss_src, miss_dst)
             misses[b] = n_miss
             evictions[b] = n_evict
     else:
@@ -362,7 +359,7 @@ def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, refer
 
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
-                         ages, policy, page_table, misses, evictions):
+                         constants, policy, page_table, misses, evictions):
     """_plan_batch_serial with one request per iteration of a parallel loop."""
     error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
                                   next_ranked)
@@ -371,7 +368,7 @@ def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, ref
     if error == 0:
         for b in prange(top_k.shape[0]):
             n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                                        next_ranked, ages, policy, page_table, miss_src, miss_dst)
+                                        next_ranked, constants, policy, page_table, miss_src, miss_dst)
             misses[b] = n_miss
             evictions[b] = n_evict
     else:

@@ -53,8 +53,8 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     if next_ranked is None or not score_lru:
         next_ranked = torch.empty((batch, 0), dtype=torch.int64, device=device)
     num_next = next_ranked.shape[1]
-    age = (policy.state["age"] if score_lru else policy.state["value"] if lrfu
-           else torch.zeros((1, 1), dtype=torch.int32, device=device))
+    state = policy.kernel_state()
+    age = torch.zeros((1, 1), dtype=torch.int32, device=device) if state is None else state
     block_s = triton.next_power_of_2(num_slots)
     block_k = triton.next_power_of_2(max(width, 1))
     host_words = _as_words(host_kv)
@@ -75,9 +75,8 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
         page_table, misses, evictions, lookup, hit_flags, by_rank, miss_src, miss_dst,
         next_ranked, age, touch, aged, placed,
         width, num_slots, context, words, num_next,
-        getattr(policy, "TOUCH_AGE_PER_RANK", 0), getattr(policy, "LOAD_AGE_STEPS", 0),
-        getattr(policy, "AGE_LIMIT", 0), *(policy.constants() if lrfu else (0, 0)),
-        FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, BLOCK_K=block_k, BLOCK_S=block_s,
+        *policy.kernel_constants(),
+        FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, SORTS=sorts, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )
     return SwapInResult(page_table, misses, evictions)
@@ -101,10 +100,16 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
                     host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
                     next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
-                    K, S, C, WORDS, M, TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, HIT, DECAY_SHIFT,
-                    FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_S: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+                    K, S, C, WORDS, M, CONST0, CONST1, CONST2,
+                    FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, SORTS: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT), lrfu's
+    # (HIT, DECAY_SHIFT, 0). `age_ptr` is its kernel_state: score_lru's ages, lrfu's counts.
+    touch_age_per_rank = CONST0
+    load_age_steps = CONST1
+    age_limit = CONST2
+    hit = CONST0
+    decay_shift = CONST1
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b)
     slots = tl.arange(0, BLOCK_S)
@@ -137,6 +142,7 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     ev_rank = tl.cumsum(ev_i, 0) - ev_i
     hit_rank = tl.cumsum(hit_i, 0) - hit_i
     n_ev = tl.sum(ev_i, 0)
+    big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
     if SCORE_LRU:
         # Age every slot a step; a next-ranked position looks as young as its rank says.
         tl.store(touch_ptr + b * BLOCK_S + slots, tl.full([BLOCK_S], 2147483647, dtype=tl.int32))
@@ -153,32 +159,25 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         unit = tl.maximum(K, 1)  # ages count in 1/K of a step
         spare = tl.maximum(S - K, 0)
         old_age = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
-        age_s = tl.minimum(old_age.to(tl.int64) + unit, AGE_LIMIT)
+        age_s = tl.minimum(old_age.to(tl.int64) + unit, age_limit)
         rank_s = tl.load(touch_ptr + b * BLOCK_S + slots)
-        touch_age = rank_s.to(tl.int64) * TOUCH_AGE_PER_RANK * spare // unit
+        touch_age = rank_s.to(tl.int64) * touch_age_per_rank * spare // unit
         age_s = tl.where(rank_s < 2147483647, tl.minimum(age_s, touch_age), age_s)
         tl.store(aged_ptr + b * BLOCK_S + slots, age_s.to(tl.int32), mask=in_s)
         tl.debug_barrier()
-        # Evictables by descending age, ties in order: one sort of keys that carry the order index.
-        age_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
-        big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
-        key = tl.where(ev_i != 0, ((AGE_LIMIT - age_o) << 20) | slots.to(tl.int64), big)
-        key = tl.sort(key, 0)
-        from_index = (key & 1048575).to(tl.int32)  # the order index of the entry sorted to this place
-        sorted_ok = slots < n_ev
-        tl.store(by_rank_ptr + b * BLOCK_S + slots, tl.load(lru_ptr + r * S + from_index, mask=sorted_ok, other=0),
-                 mask=sorted_ok)
-        tl.store(placed_ptr + b * BLOCK_S + from_index, slots, mask=sorted_ok)
+        state_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
+        sort_key = (age_limit - state_o) << 20  # the oldest first
     elif LRFU:
-        # Decay every value a step; evictables by ascending value, ties in order: one sort, as above.
+        # Decay every count a step.
         old_value = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
-        tl.store(aged_ptr + b * BLOCK_S + slots, old_value - (old_value >> DECAY_SHIFT), mask=in_s)
+        tl.store(aged_ptr + b * BLOCK_S + slots, old_value - (old_value >> decay_shift), mask=in_s)
         tl.debug_barrier()
-        value_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
-        big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
-        key = tl.where(ev_i != 0, (value_o << 20) | slots.to(tl.int64), big)
-        key = tl.sort(key, 0)
-        from_index = (key & 1048575).to(tl.int32)
+        state_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
+        sort_key = state_o << 20  # the lowest count first
+    if SORTS:
+        # Evictables by key, ties in order: one sort of keys that carry the order index.
+        key = tl.sort(tl.where(ev_i != 0, sort_key | slots.to(tl.int64), big), 0)
+        from_index = (key & 1048575).to(tl.int32)  # the order index of the entry sorted to this place
         sorted_ok = slots < n_ev
         tl.store(by_rank_ptr + b * BLOCK_S + slots, tl.load(lru_ptr + r * S + from_index, mask=sorted_ok, other=0),
                  mask=sorted_ok)
@@ -207,33 +206,28 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
 
     # The new order (every lane loaded `order` before the last barrier).
     ev = ev_i != 0
-    if SCORE_LRU:
-        # LRU's new order (untouched evictables, loaded in miss order, hits), stably sorted by new age.
-        tl.debug_barrier()  # every lane has read its victim from by_rank, which now takes the base order
+    if SORTS:
+        # LRU's new order: untouched evictables, loaded in miss order, hits.
+        tl.debug_barrier()  # every lane has read its victim from by_rank, which score_lru reuses below
         victim_rank = tl.load(placed_ptr + b * BLOCK_S + slots, mask=ev, other=0)
         victim_o = ev & (victim_rank < n_miss)
         kept_i = (ev & (victim_rank >= n_miss)).to(tl.int32)
         base_index = tl.where(victim_o, n_ev - n_miss + victim_rank,
                               tl.where(ev, tl.cumsum(kept_i, 0) - kept_i, n_ev + hit_rank))
-        new_age = tl.where(ev, tl.where(victim_o, tl.minimum(LOAD_AGE_STEPS * tl.maximum(K, 1), AGE_LIMIT), age_o),
-                           0)
-        tl.store(age_ptr + r * S + order, new_age.to(tl.int32), mask=in_s)
-        tl.store(by_rank_ptr + b * BLOCK_S + base_index, order, mask=in_s)
-        key = tl.where(in_s, ((AGE_LIMIT - new_age) << 20) | base_index.to(tl.int64), big)
-        key = tl.sort(key, 0)
-        tl.debug_barrier()
-        new_slot = tl.load(by_rank_ptr + b * BLOCK_S + (key & 1048575).to(tl.int32), mask=in_s, other=0)
-        tl.store(lru_ptr + r * S + slots, new_slot, mask=in_s)
-    elif LRFU:
-        # LRU's new order (untouched evictables, loaded in miss order, hits); a hit adds HIT, a load starts at it.
-        victim_rank = tl.load(placed_ptr + b * BLOCK_S + slots, mask=ev, other=0)
-        victim_o = ev & (victim_rank < n_miss)
-        kept_i = (ev & (victim_rank >= n_miss)).to(tl.int32)
-        new_index = tl.where(victim_o, n_ev - n_miss + victim_rank,
-                             tl.where(ev, tl.cumsum(kept_i, 0) - kept_i, n_ev + hit_rank))
-        new_value = tl.where(victim_o, HIT, tl.where(ev, value_o, value_o + HIT))
-        tl.store(age_ptr + r * S + order, new_value.to(tl.int32), mask=in_s)
-        tl.store(lru_ptr + r * S + new_index, order, mask=in_s)
+        if SCORE_LRU:  # ... stably sorted by new age
+            new_state = tl.where(ev, tl.where(victim_o, tl.minimum(load_age_steps * tl.maximum(K, 1), age_limit),
+                                              state_o), 0)
+            tl.store(age_ptr + r * S + order, new_state.to(tl.int32), mask=in_s)
+            tl.store(by_rank_ptr + b * BLOCK_S + base_index, order, mask=in_s)
+            key = tl.where(in_s, ((age_limit - new_state) << 20) | base_index.to(tl.int64), big)
+            key = tl.sort(key, 0)
+            tl.debug_barrier()
+            new_slot = tl.load(by_rank_ptr + b * BLOCK_S + (key & 1048575).to(tl.int32), mask=in_s, other=0)
+            tl.store(lru_ptr + r * S + slots, new_slot, mask=in_s)
+        else:  # lrfu, as it is: a hit adds one selection, a loaded slot starts at one
+            new_state = tl.where(victim_o, hit, tl.where(ev, state_o, state_o + hit))
+            tl.store(age_ptr + r * S + order, new_state.to(tl.int32), mask=in_s)
+            tl.store(lru_ptr + r * S + base_index, order, mask=in_s)
     elif FIFO:
         loaded = ev & (ev_rank < n_miss)
         keep_i = (in_s & (loaded == 0)).to(tl.int32)

@@ -50,7 +50,8 @@ class EvictionPolicy(ABC):
 
     Subclasses implement `choose`. Stateful subclasses list their per-slot state in `state_names`, make
     it in `__init__` as int tensors of shape [num_rows, num_slots] in `self.state`, and return its new
-    row values from `choose`.
+    row values from `choose`. A policy the cpu and Triton kernels also implement hands them its int32
+    state and its constants through `kernel_state` and `kernel_constants`.
     """
 
     name: ClassVar[str]
@@ -72,6 +73,16 @@ class EvictionPolicy(ABC):
     def num_next_ranks(self, top_k: int) -> int:
         """How many positions ranked below the top-k the policy wants per swap-in (0: it ignores them)."""
         return 0
+
+    def kernel_state(self) -> torch.Tensor | None:
+        """The one int32 per-slot state the cpu and Triton kernels read and write (score_lru's ages,
+        lrfu's counts); None for a policy with none (clock's bits are the cpu kernel's own case)."""
+        return None
+
+    def kernel_constants(self) -> tuple[int, int, int]:
+        """The three integers the cpu and Triton kernels read for this policy (what each means is the
+        policy's own: see its override)."""
+        return (0, 0, 0)
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Forget a row's history, for a new request or a rebuilt buffer whose slots 0..num_held-1 hold
@@ -237,6 +248,13 @@ class ScoreLRUPolicy(EvictionPolicy):
     def num_next_ranks(self, top_k: int) -> int:
         return self.NEXT_RANKS_PER_SPARE_SLOT * max(self.num_slots - top_k, 0)
 
+    def kernel_state(self) -> torch.Tensor:
+        return self.state["age"]
+
+    def kernel_constants(self) -> tuple[int, int, int]:
+        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT)."""
+        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT
+
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Held slots start at `HELD_AGE`: the prompt tail a reset loads was never selected, so any slot
         used since, or ranked, is younger (their order stays the reset's, the earliest token first). Empty
@@ -277,8 +295,9 @@ class LRFUPolicy(EvictionPolicy):
 
     State: `value[R, S]` int32, in units of 1/`HIT` selections. Every step every value decays by
     1/2**`DECAY_SHIFT` (rounded down: `v - (v >> DECAY_SHIFT)`, 31/32 a step, a half-life of about 22
-    steps); then a hit adds `HIT` and a loaded slot starts at `HIT` (it was selected this step), so
-    values stay below 2**`DECAY_SHIFT` x `HIT` = 2**21. Victims: the evictable slots of lowest decayed
+    steps; a value below 2**DECAY_SHIFT no longer decays, a floor far below one selection); then a hit
+    adds `HIT` and a loaded slot starts at `HIT` (it was selected this step), so values stay below
+    2**`DECAY_SHIFT` x `HIT` = 2**21. Victims: the evictable slots of lowest decayed
     value, ties in eviction order; the new order is LRU's (untouched evictables, loaded, hits), so among
     equal values the least recently used goes first. A reset puts every value at 0 (held tokens were
     never selected; empty slots sit first in the order, so they are filled first). The decay was chosen
@@ -300,6 +319,13 @@ class LRFUPolicy(EvictionPolicy):
             raise ValueError(f"lrfu's HIT ({self.HIT}) and DECAY_SHIFT ({self.DECAY_SHIFT}) must be >= 1 with "
                              f"(HIT + 1) << DECAY_SHIFT below 2**31")
         return self.HIT, self.DECAY_SHIFT
+
+    def kernel_state(self) -> torch.Tensor:
+        return self.state["value"]
+
+    def kernel_constants(self) -> tuple[int, int, int]:
+        """(HIT, DECAY_SHIFT, 0), checked by `constants`."""
+        return (*self.constants(), 0)
 
     def choose(self, order, is_hit, num_misses, state, next_rank, width):
         hit, shift = self.constants()

@@ -44,11 +44,11 @@ class HiSparseConfig:
         On a GPU a miss is a host -> device transfer over PCIe, which lrfu's fewer misses save (it beats
         score_lru on held-out traces and, unlike it, asks the indexer for no runners-up). On the CPU the
         "device" is the same memory and a miss is a row copy of under a kilobyte, so fewer misses buy little:
-        side by side with lru, lrfu's decode step took 1.025x and 1.052x (batch 8, 2k tokens of context,
-        512-slot buffer, 90.1% hits instead of 89.7%) and 1.026x (batch 16, 3k tokens, 7% fewer misses,
-        the same time in swap-in), within the machine's noise but never below; lru keeps the decode
-        overhead target (score_lru's runners-up cost 1.32x the baseline's step where lru cost 1.10-1.14x;
-        see the README).
+        side by side with lru (`python -m hisparse.bench.decode_overhead --policies lru,lrfu`), lrfu's
+        decode step took 1.017x, 1.025x and 1.052x (batch 8, 2k tokens of context, 512-slot buffer, 90.1%
+        hits instead of 89.7%) and 1.026x (batch 16, 3k tokens, 7% fewer misses): within the machine's
+        noise, but no run's median below 1. lru keeps the decode overhead target (score_lru's runners-up
+        cost 1.32x the baseline's step where lru cost 1.10-1.14x; see the README).
         """
         if self.eviction_policy != "auto":
             return self.eviction_policy

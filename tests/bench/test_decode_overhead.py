@@ -16,3 +16,12 @@ def test_decode_overhead_times_both_modes_and_finds_the_same_tokens(capsys):
     assert "outputs identical: True" in out
     hit_rate = float(re.search(r"hit rate (\d+\.\d)%", out).group(1))
     assert 0 < hit_rate < 100  # contexts longer than the buffer: swap-in ran and missed
+
+
+def test_decode_overhead_compares_two_eviction_policies(capsys):
+    main(["--batch", "2", "--context", "200", "--steps", "4", "--repeats", "1", "--policies", "lru,lrfu",
+          "--hisparse-config", '{"top_k": 32, "device_buffer_size": 48}'])
+    out = capsys.readouterr().out
+    assert re.search(r"lru step \d+\.\d ms, lrfu step \d+\.\d ms, ratio \d+\.\d+ \(per repeat", out)
+    assert "lru hit rate" in out and "lrfu hit rate" in out
+    assert "outputs identical: True" in out  # offloading changes no result, whatever the policy

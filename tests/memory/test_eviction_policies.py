@@ -149,7 +149,7 @@ def test_lrfu_keeps_the_often_selected_token_that_lru_would_evict():
     assert plan.order == [0, 1]
 
 
-def test_lrfu_values_decay_to_zero_and_ties_go_in_lru_order():
+def test_lrfu_small_counts_stop_decaying_and_ties_go_in_lru_order():
     policy = LRFUPolicy(num_rows=1, num_slots=3)
     plan = policy.plan_row([20], [10, 11, 12], [2, 0, 1], {"value": [15, 15, 0]})
     assert plan.victims == [2]  # value 0, and first in order
