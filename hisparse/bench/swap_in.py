@@ -10,6 +10,11 @@ larger than its full hot buffer, exactly `miss rate x top_k` of them (in total o
 the buffer. The host pool is larger than the caches and its rows are scattered, as in a real pool.
 
     python -m hisparse.bench.swap_in [--repeats 7] [--buffer 512] [--top-k 256] [--dtype float32,bfloat16]
+                                     [--host-pages huge] [--host-pages small,huge]
+
+The host pool is allocated as the engine allocates it (`host_memory.host_empty`: 2 MiB pages where the
+kernel lends them); `--host-pages small,huge` times both kinds in one run, and each table says how much
+of its pool the kernel actually backed with huge pages.
 
 GB/s counts the bytes of the missed rows once (as the plain copy counts its buffer once); "miss rows/s"
 is missed rows copied per second; us/call is the whole call, bookkeeping and argument checks included.
@@ -33,6 +38,7 @@ import torch
 from hisparse.kernels.numba_threads import choose_threading_layer
 from hisparse.kernels.swap_in import swap_in
 from hisparse.memory.eviction import new_slot_tables, reset_row
+from hisparse.memory.host_memory import PAGE_KINDS, host_empty, huge_page_status
 
 # The default model (SmolLM2-135M): 3 KV heads of dim 64; one row holds a token's K and V of one layer.
 KV_HEADS, HEAD_DIM = 3, 64
@@ -56,14 +62,15 @@ class Pools:
         return self.host_kv.shape[1] * self.host_kv.element_size()
 
 
-def make_pools(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int, gen: torch.Generator) -> Pools:
+def make_pools(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int, gen: torch.Generator,
+               pages: str = "huge") -> Pools:
     row_bytes = ROW_VALUES * torch.finfo(dtype).bits // 8
     host_size = host_bytes // row_bytes
     context = host_size // num_rows
     if context < 2 * num_slots:
         raise ValueError(f"a {host_bytes >> 20} MiB host pool holds {context} tokens per request, "
                          f"too few for a buffer of {num_slots}")
-    host_kv = torch.empty(host_size, ROW_VALUES, dtype=dtype)
+    host_kv = host_empty((host_size, ROW_VALUES), dtype, pages=pages)
     host_kv.fill_(0.5)  # touch every page before timing
     device_kv = torch.zeros(num_rows * num_slots, ROW_VALUES, dtype=dtype)
     host_rows = torch.randperm(host_size, generator=gen)[: num_rows * context].view(num_rows, context)
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,16,64", help="comma list of batch sizes")
     parser.add_argument("--miss-rates", default="0.001,0.2,1.0", help="comma list of miss fractions")
     parser.add_argument("--host-gib", type=float, default=1.0, help="host pool size per dtype, GiB")
+    parser.add_argument("--host-pages", default="huge",
+                        help=f"comma list of {', '.join(PAGE_KINDS)}: host pool pages "
+                             "(huge: 2 MiB where the kernel lends them)")
     parser.add_argument("--copy-mib", type=int, default=256, help="plain-copy buffer, MiB")
     parser.add_argument("--backends", default="cpu,reference", help="comma list of swap-in backends")
     parser.add_argument("--threading-layer", default=None,
@@ -144,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     choose_threading_layer()
     if args.top_k > args.buffer:
         parser.error("--top-k must not exceed --buffer")
+    page_kinds = args.host_pages.split(",")
+    for kind in page_kinds:
+        if kind not in PAGE_KINDS:
+            parser.error(f"--host-pages: {kind!r} is not one of {', '.join(PAGE_KINDS)}")
     batches = [int(x) for x in args.batches.split(",")]
     rates = [float(x) for x in args.miss_rates.split(",")]
     backends = args.backends.split(",")
@@ -156,29 +170,37 @@ def main(argv: list[str] | None = None) -> None:
           f"(layer {numba.config.THREADING_LAYER})")
     print(f"S={args.buffer} K={args.top_k} row={ROW_VALUES} values, host pool {args.host_gib:g} GiB, "
           f"median of {args.repeats}")
-    header = f"{'backend':>9} {'dtype':>8} {'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} " \
-             f"{'miss rows/s':>11} {'GB/s':>7} {'x copy':>6}"
     for name in args.dtype.split(","):
-        dtype = DTYPES[name]
-        pools = make_pools(max(batches), args.buffer, dtype, int(args.host_gib * (1 << 30)), gen)
-        print(header)
-        best_full: dict[str, float] = {}
-        for backend in backends:
-            for batch in batches:
-                for rate in rates:
-                    total_misses = round(rate * batch * args.top_k)
-                    copy_now = copy.gbps(3) if rate == 1.0 else None
-                    seconds = time_swap_in(pools, backend, batch, args.top_k, total_misses, args.repeats, gen)
-                    gbps = total_misses * pools.row_bytes / seconds / 1e9
-                    print(f"{backend:>9} {name:>8} {batch:>5} {rate:>6.1%} {total_misses:>7} "
-                          f"{seconds * 1e6:>9.0f} {total_misses / seconds:>11.3g} {gbps:>7.2f}"
-                          + (f" {gbps / copy_now:>6.2f}" if copy_now else ""))
-                    if copy_now:
-                        best_full[backend] = max(best_full.get(backend, 0.0), gbps / copy_now)
-        for backend, ratio in best_full.items():
-            print(f"{name}: {backend} at 100% misses, best batch: {ratio:.2f}x the plain copy's GB/s (target 0.5)")
-        del pools
+        for pages in page_kinds:
+            table_for(name, pages, args, batches, rates, backends, copy, gen)
 
+
+def table_for(name: str, pages: str, args: argparse.Namespace, batches: list[int], rates: list[float],
+              backends: list[str], copy: PlainCopy, gen: torch.Generator) -> None:
+    """One dtype's table on one kind of host pages."""
+    dtype = DTYPES[name]
+    pools = make_pools(max(batches), args.buffer, dtype, int(args.host_gib * (1 << 30)), gen, pages)
+    status = huge_page_status(pools.host_kv)
+    print(f"{name} rows, host pool on {pages} pages ({status.huge_bytes / pools.host_kv.nbytes:.0%} of it on "
+          f"2 MiB pages)")
+    print(f"{'backend':>9} {'dtype':>8} {'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} "
+          f"{'miss rows/s':>11} {'GB/s':>7} {'x copy':>6}")
+    best_full: dict[str, float] = {}
+    for backend in backends:
+        for batch in batches:
+            for rate in rates:
+                total_misses = round(rate * batch * args.top_k)
+                copy_now = copy.gbps(3) if rate == 1.0 else None
+                seconds = time_swap_in(pools, backend, batch, args.top_k, total_misses, args.repeats, gen)
+                gbps = total_misses * pools.row_bytes / seconds / 1e9
+                print(f"{backend:>9} {name:>8} {batch:>5} {rate:>6.1%} {total_misses:>7} "
+                      f"{seconds * 1e6:>9.0f} {total_misses / seconds:>11.3g} {gbps:>7.2f}"
+                      + (f" {gbps / copy_now:>6.2f}" if copy_now else ""))
+                if copy_now:
+                    best_full[backend] = max(best_full.get(backend, 0.0), gbps / copy_now)
+    for backend, ratio in best_full.items():
+        print(f"{name}, {pages} pages: {backend} at 100% misses, best batch: {ratio:.2f}x the plain copy's GB/s "
+              f"(target 0.5)")
 
 if __name__ == "__main__":
     main()
