@@ -12,6 +12,12 @@ and lets the compiler emit plain wide loads and stores. (Copying each row as its
 bookkeeping loop, was 1.3-1.6x slower at 100% misses: the scattered loads stall the bookkeeping, while
 a tight copy loop keeps many rows in flight.)
 
+`BoundCpuSwapIn.page_table` is the same plan and copy with the decode step's newest position handled
+inside (read from its reserved row, never swapped) and the batch's totals summed inside, so a layer's
+swap-in is one compiled call: in the engine each torch or numpy op around it runs on caches the layer's
+weights have just flushed (about 10 us apiece), and the masking, the totals and the merge of the
+reserved rows were more than half of HiSparse's time per layer at batch 1.
+
 All arrays are zero-copy numpy views of the caller's tensors; `slot_pos`, `lru`, the policy state and
 `device_kv` are written in place.
 
@@ -33,6 +39,7 @@ from hisparse.kernels.swap_in import (
     ROW_OUT_OF_RANGE,
     ROW_TWICE,
     TOO_MANY_SELECTED,
+    StepPageTable,
     SwapInResult,
     raise_value_error,
 )
@@ -50,6 +57,8 @@ PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
 _HASH_SLOTS_PER_KEY = 8
 _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have
 _NO_AGE = torch.zeros((1, 1), dtype=torch.int32)
+_NO_RANKS = np.empty((0, 0), np.int64)  # next_ranked of a policy that reads none (any batch: M = 0)
+_NOT_A_POSITION = -2  # the "newest position" of a plain swap-in call: matches no selection, not even padding
 
 
 def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
@@ -84,23 +93,32 @@ class BoundCpuSwapIn:
 
     def __call__(self, top_k: torch.Tensor, rows: torch.Tensor,
                  next_ranked: torch.Tensor | None = None) -> SwapInResult:
+        batch = top_k.shape[0]
+        none = np.full(batch, _NOT_A_POSITION, np.int64)
+        page_table, misses, evictions, hits, _ = self._run(top_k, rows, none, none, next_ranked)
+        return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions),
+                            torch.from_numpy(hits))
+
+    def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
+                   next_ranked: torch.Tensor | None = None) -> StepPageTable:
+        """`BoundSwapIn.page_table` in one compiled call (see the module docstring)."""
+        page_table, _, _, _, totals = self._run(selected, rows, newest.numpy(), reserved.numpy(), next_ranked)
+        return StepPageTable(torch.from_numpy(page_table), *totals)
+
+    def _run(self, top_k: torch.Tensor, rows: torch.Tensor, newest: np.ndarray, reserved: np.ndarray,
+             next_ranked: torch.Tensor | None) -> tuple:
+        """Check, plan, copy: (page_table, misses, evictions, hits, (hits, misses, evictions) summed)."""
         batch, width = top_k.shape
-        # numpy outputs, wrapped at the end: a few microseconds less than torch's per array, 30 layers a step
-        page_table = np.empty((batch, width), np.int64)
-        misses = np.empty(batch, np.int32)
-        evictions = np.empty(batch, np.int32)
-        if batch == 0:
-            return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
-        ranked = np.empty((batch, 0), np.int64) if next_ranked is None else next_ranked.numpy()
+        ranked = _NO_RANKS if next_ranked is None else next_ranked.numpy()
         plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
-        error, detail, src, dst = plan(top_k.numpy(), rows.numpy(), *self.tables, ranked, self.constants, self.code,
-                                       page_table, misses, evictions)
+        error, detail, page_table, misses, evictions, hits, totals, src, dst = plan(
+            top_k.numpy(), rows.numpy(), newest, reserved, *self.tables, ranked, self.constants, self.code,
+            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
-        if src.size:
-            copy = _copy_rows_parallel if src.size * self.row_bytes >= PARALLEL_MIN_BYTES else _copy_rows_serial
-            copy(self.host_words, self.device_words, src, dst)
-        return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions))
+        if src.size:  # more missed bytes than the plan copies on its own thread
+            _copy_rows_parallel(self.host_words, self.device_words, src, dst)
+        return page_table, misses, evictions, hits, totals
 
 
 def _as_words(kv: torch.Tensor) -> np.ndarray:
@@ -125,8 +143,9 @@ def _slot_of(keys: np.ndarray, cols: np.ndarray, position: int) -> int:
 
 
 @njit(cache=True)
-def _hash_set(positions, b):
-    """Open-addressing set of row b's positions (-1 padding skipped): (keys, columns); first column wins."""
+def _hash_set(positions, b, skip):
+    """Open-addressing set of row b's positions (-1 padding and `skip` left out): (keys, columns); first
+    column wins."""
     width = positions.shape[1]
     size = 16
     while size < _HASH_SLOTS_PER_KEY * width:
@@ -135,7 +154,7 @@ def _hash_set(positions, b):
     cols = np.empty(size, np.int32)
     for j in range(width):
         p = positions[b, j]
-        if p >= 0:
+        if p >= 0 and p != skip:
             h = (p * _HASH_MULTIPLIER) & (size - 1)
             while keys[h] != -1 and keys[h] != p:
                 h = (h + 1) & (size - 1)
@@ -146,12 +165,13 @@ def _hash_set(positions, b):
 
 
 @njit(cache=True)
-def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, constants, policy,
-              page_table, miss_src, miss_dst):
-    """One request's bookkeeping; returns (misses, evictions). Scratch is allocated here, per call."""
+def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
+              constants, policy, page_table, miss_src, miss_dst):
+    """One request's bookkeeping; returns (misses, evictions, hits). Position `newest` is not swapped in:
+    its column reads device row `reserved`. Scratch is allocated here, per call."""
     width = top_k.shape[1]
     num_slots = slot_pos.shape[1]
-    keys, cols = _hash_set(top_k, b)
+    keys, cols = _hash_set(top_k, b, newest)
 
     # Walk the order: hits keep their slot, everything else is evictable, oldest first.
     col_slot = np.full(width, -1, np.int32)
@@ -188,7 +208,7 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         for s in range(num_slots):
             new_age[s] = min(np.int64(age[r, s]) + unit, limit)
         if next_ranked.shape[1] > 0:
-            rank_keys, rank_cols = _hash_set(next_ranked, b)
+            rank_keys, rank_cols = _hash_set(next_ranked, b, _NOT_A_POSITION)
             for s in range(num_slots):
                 p = slot_pos[r, s]
                 if p >= 0 and pinned[s] == 0:
@@ -214,6 +234,9 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         p = top_k[b, j]
         if p < 0:
             page_table[b, j] = -1
+            continue
+        if p == newest:
+            page_table[b, j] = reserved
             continue
         s = col_slot[j]
         if s < 0:
@@ -290,11 +313,11 @@ def _plan_row(b, r, top_k, slot_pos, lru, device_rows, host_rows, referenced, ag
         old = lru[r].copy()
         for i in range(num_slots):
             lru[r, i] = old[(hand + i) % num_slots]
-    return n_miss, n_evict
+    return n_miss, n_evict, n_hits
 
 
 @njit(cache=True)
-def _check_values(top_k, rows, num_rows, num_slots, context, next_ranked):
+def _check_values(top_k, rows, newest, num_rows, num_slots, context, next_ranked):
     """(error code, detail) as swap_in.raise_value_error reads them; (0, 0) when valid. Runs first."""
     for b in range(next_ranked.shape[0]):
         for j in range(next_ranked.shape[1]):
@@ -314,7 +337,7 @@ def _check_values(top_k, rows, num_rows, num_slots, context, next_ranked):
             p = top_k[b, j]
             if p < -1 or p >= context:
                 return POSITION_OUT_OF_RANGE, p
-            count += p >= 0
+            count += p >= 0 and p != newest[b]
         if count > num_slots:
             return TOO_MANY_SELECTED, count
     return 0, 0
@@ -338,43 +361,57 @@ def _flatten_misses(miss_src, miss_dst, misses):
 
 
 @njit(cache=True)
-def _plan_batch_serial(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked, constants,
-                       policy, page_table, misses, evictions):
-    """Check, plan every request, and list the copies: (error, detail, src rows, dst rows)."""
-    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
+def _plan_start(top_k, rows, newest, slot_pos, host_rows, next_ranked):
+    """Check the values and allocate the outputs (page table, misses, evictions, hits) and miss lists."""
+    error, detail = _check_values(top_k, rows, newest, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
                                   next_ranked)
-    miss_src = np.empty(top_k.shape, np.int64)
-    miss_dst = np.empty(top_k.shape, np.int64)
+    batch = top_k.shape[0]
+    return (error, detail, np.empty(top_k.shape, np.int64), np.zeros(batch, np.int32), np.zeros(batch, np.int32),
+            np.zeros(batch, np.int32), np.empty(top_k.shape, np.int64), np.empty(top_k.shape, np.int64))
+
+
+@njit(cache=True)
+def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
+                 serial_copy_rows):
+    """Sum the totals and list the copies; a batch with few missed rows is copied here, on this thread
+    (waking the pool would cost more), and then no rows are left for the caller's parallel copy."""
+    totals = (np.int64(hits.sum()), np.int64(misses.sum()), np.int64(evictions.sum()))
+    src, dst = _flatten_misses(miss_src, miss_dst, misses)
+    if src.size < serial_copy_rows:
+        _copy_rows_serial(host_words, device_words, src, dst)
+        src, dst = src[:0], dst[:0]
+    return error, detail, page_table, misses, evictions, hits, totals, src, dst
+
+
+@njit(cache=True)
+def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
+                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows):
+    """Check, plan every request, copy a few rows or list them: (error, detail, page table, misses,
+    evictions, hits, their totals, src rows, dst rows left to copy)."""
+    error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
+        top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
         for b in range(top_k.shape[0]):
-            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                                        next_ranked, constants, policy, page_table, miss_src, miss_dst)
-            misses[b] = n_miss
-            evictions[b] = n_evict
-    else:
-        misses[:] = 0
-    src, dst = _flatten_misses(miss_src, miss_dst, misses)
-    return error, detail, src, dst
+            misses[b], evictions[b], hits[b] = _plan_row(
+                b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
+                next_ranked, constants, policy, page_table, miss_src, miss_dst)
+    return _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words,
+                        device_words, serial_copy_rows)
 
 
 @njit(parallel=True, cache=True)
-def _plan_batch_parallel(top_k, rows, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
-                         constants, policy, page_table, misses, evictions):
+def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
+                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows):
     """_plan_batch_serial with one request per iteration of a parallel loop."""
-    error, detail = _check_values(top_k, rows, slot_pos.shape[0], slot_pos.shape[1], host_rows.shape[1],
-                                  next_ranked)
-    miss_src = np.empty(top_k.shape, np.int64)
-    miss_dst = np.empty(top_k.shape, np.int64)
+    error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
+        top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
         for b in prange(top_k.shape[0]):
-            n_miss, n_evict = _plan_row(b, rows[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                                        next_ranked, constants, policy, page_table, miss_src, miss_dst)
-            misses[b] = n_miss
-            evictions[b] = n_evict
-    else:
-        misses[:] = 0
-    src, dst = _flatten_misses(miss_src, miss_dst, misses)
-    return error, detail, src, dst
+            misses[b], evictions[b], hits[b] = _plan_row(
+                b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
+                next_ranked, constants, policy, page_table, miss_src, miss_dst)
+    return _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words,
+                        device_words, serial_copy_rows)
 
 
 @njit(cache=True)

@@ -43,8 +43,9 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     page_table = torch.empty((batch, width), dtype=torch.int64, device=device)
     misses = torch.empty(batch, dtype=torch.int32, device=device)
     evictions = torch.empty(batch, dtype=torch.int32, device=device)
+    hits = torch.empty(batch, dtype=torch.int32, device=device)
     if batch == 0:
-        return SwapInResult(page_table, misses, evictions)
+        return SwapInResult(page_table, misses, evictions, hits)
     score_lru, lrfu = policy.name == "score_lru", policy.name == "lrfu"
     sorts = score_lru or lrfu
     if sorts and num_slots >= _INDEX_LIMIT:
@@ -72,14 +73,14 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     placed = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     _swap_in_kernel[(batch,)](
         top_k, rows, slot_pos, lru, device_rows, host_rows, host_words, device_words,
-        page_table, misses, evictions, lookup, hit_flags, by_rank, miss_src, miss_dst,
+        page_table, misses, evictions, hits, lookup, hit_flags, by_rank, miss_src, miss_dst,
         next_ranked, age, touch, aged, placed,
         width, num_slots, context, words, num_next,
         *policy.kernel_constants(),
         FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, SORTS=sorts, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )
-    return SwapInResult(page_table, misses, evictions)
+    return SwapInResult(page_table, misses, evictions, hits)
 
 
 _INDEX_BITS = 20
@@ -97,7 +98,7 @@ def _as_words(kv: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr, host_rows_ptr,
-                    host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr,
+                    host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr, hits_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
                     next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
                     K, S, C, WORDS, M, CONST0, CONST1, CONST2,
@@ -203,6 +204,7 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     tl.store(miss_dst_ptr + b * BLOCK_K + miss_rank, dev_row, mask=miss)
     tl.store(misses_ptr + b, n_miss)
     tl.store(evictions_ptr + b, n_evict)
+    tl.store(hits_ptr + b, tl.sum((valid & (hit_slot >= 0)).to(tl.int32), 0))
 
     # The new order (every lane loaded `order` before the last barrier).
     ev = ev_i != 0

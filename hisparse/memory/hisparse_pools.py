@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse.kernels.swap_in import bound_swap_in
+from hisparse.kernels.swap_in import StepPageTable, bound_swap_in
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -61,6 +61,14 @@ class SwapInCounters:
         self.seconds = np.zeros(num_layers, dtype=np.float64)
         self.fast_path_lookups = 0  # selections served without swap-in (request still fits its buffer)
         self.prompt_load_bytes = 0  # prompt tails copied into hot buffers after prefill
+
+    def record(self, layer: int, step: StepPageTable, seconds: float, row_bytes: int) -> None:
+        """One layer's swap-in of one decode step."""
+        self.hits[layer] += step.hits
+        self.misses[layer] += step.misses
+        self.evictions[layer] += step.evictions
+        self.bytes_h2d[layer] += step.misses * row_bytes
+        self.seconds[layer] += seconds
 
     def as_dict(self) -> dict:
         lookups = int(self.hits.sum() + self.misses.sum())
@@ -108,16 +116,16 @@ class DecodeStep:
     has_swapping: bool = field(init=False)
     fast_rows: torch.Tensor = field(init=False)  # [Bf, 1]
     swap_rows: torch.Tensor = field(init=False)  # [Bs]
-    swap_newest: torch.Tensor = field(init=False)  # [Bs, 1]: the newest position of each swapping request
-    swap_reserved: torch.Tensor = field(init=False)  # [Bs, 1]: its reserved device row
+    swap_newest: torch.Tensor = field(init=False)  # [Bs]: the newest position of each swapping request
+    swap_reserved: torch.Tensor = field(init=False)  # [Bs]: its reserved device row
 
     def __post_init__(self) -> None:
         self.fast = ~self.swapping
         self.has_fast, self.has_swapping = bool(self.fast.any()), bool(self.swapping.any())
         self.fast_rows = self.rows[self.fast].unsqueeze(1)
         self.swap_rows = self.rows[self.swapping]
-        self.swap_newest = (self.lengths[self.swapping] - 1).unsqueeze(1)
-        self.swap_reserved = self.device_write[self.swapping].unsqueeze(1)
+        self.swap_newest = self.lengths[self.swapping] - 1
+        self.swap_reserved = self.device_write[self.swapping]
 
 
 class HiSparsePools:
@@ -280,33 +288,11 @@ class HiSparsePools:
             swap_sel = selected if every else selected[step.swapping]
             if next_ranked is not None and not every:
                 next_ranked = next_ranked[step.swapping]
-            is_newest = swap_sel == step.swap_newest
-            top_k = swap_sel.masked_fill(is_newest, -1)
             start = time.perf_counter()
-            result = self.swap_in[layer](top_k, step.swap_rows, next_ranked)
-            counters = self.counters
-            counters.seconds[layer] += time.perf_counter() - start
-            misses = _total(result.misses)
-            counters.misses[layer] += misses
-            counters.hits[layer] += _count_selected(top_k) - misses
-            counters.evictions[layer] += _total(result.evictions)
-            counters.bytes_h2d[layer] += misses * self.row_bytes
-            swapped = torch.where(is_newest, step.swap_reserved, result.page_table)
+            swapped = self.swap_in[layer].page_table(swap_sel, step.swap_rows, step.swap_newest, step.swap_reserved,
+                                                     next_ranked)
+            self.counters.record(layer, swapped, time.perf_counter() - start, self.row_bytes)
             if every:
-                return swapped
-            page[step.swapping] = swapped
+                return swapped.page_table
+            page[step.swapping] = swapped.page_table
         return page
-
-
-def _total(t: torch.Tensor) -> int:
-    """Sum of a small per-request tensor as an int: through a Python list, a fraction of a microsecond
-    for a batch of 16 where numpy's sum took 4 us and torch's more (three times per layer per step)."""
-    return sum(t.tolist())
-
-
-def _count_selected(top_k: torch.Tensor) -> int:
-    """Selected positions (not -1 padding) of a [B, K] selection; on the CPU through numpy, half what the
-    torch comparison and reduction cost."""
-    if top_k.device.type == "cpu":
-        return int(np.count_nonzero(top_k.numpy() >= 0))
-    return int((top_k >= 0).sum())

@@ -120,7 +120,7 @@ def check_step(case: Case, top_k: torch.Tensor, slot_pos_before: torch.Tensor, l
                res: SwapInResult) -> None:
     """Invariants of one swap-in that hold whatever the policy."""
     assert res.page_table.dtype == torch.int64 and res.page_table.shape == top_k.shape
-    assert res.misses.dtype == torch.int32 and res.evictions.dtype == torch.int32
+    assert res.misses.dtype == torch.int32 and res.evictions.dtype == torch.int32 and res.hits.dtype == torch.int32
     for r in range(case.num_rows):
         assert sorted(case.lru[r].tolist()) == list(range(case.num_slots)), "lru lost or duplicated a slot"
         held = [p for p in case.slot_pos[r].tolist() if p >= 0]
@@ -143,6 +143,7 @@ def check_step(case: Case, top_k: torch.Tensor, slot_pos_before: torch.Tensor, l
             assert torch.equal(device_bytes[d], host_bytes[case.host_rows[r, p]])
         old = set(slot_pos_before[r].tolist())
         assert int(res.misses[b]) == sum(p not in old for p in sel[valid].tolist())
+        assert int(res.hits[b]) == sum(p in old for p in sel[valid].tolist())
         assert 0 <= int(res.evictions[b]) <= int(res.misses[b])
 
 
@@ -153,6 +154,7 @@ def assert_same_runs(a, b) -> None:
         assert torch.equal(ra.page_table, rb.page_table)
         assert torch.equal(ra.misses, rb.misses)
         assert torch.equal(ra.evictions, rb.evictions)
+        assert torch.equal(ra.hits, rb.hits)
     assert torch.equal(case_a.slot_pos, case_b.slot_pos)
     assert torch.equal(case_a.lru, case_b.lru)
     assert torch.equal(case_a.device_kv.view(torch.uint8), case_b.device_kv.view(torch.uint8))
@@ -221,6 +223,52 @@ def test_bound_swap_in_sees_tables_changed_in_place(backend, policy, case):
         return results, None, c, pol
 
     assert_same_runs(replay(False), replay(True))
+
+
+def with_newest(case: Case, seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The trace's selections with each request's newest position (one past any the trace selects) in a
+    random column, as the indexer returns them; and the reserved device row each newest position reads."""
+    rng = np.random.default_rng(seed)
+    batch = case.rows.shape[0]
+    newest = torch.full((batch,), case.host_rows.shape[1] - 1, dtype=torch.int64)
+    reserved = torch.arange(batch, dtype=torch.int64) + 10**6
+    steps = []
+    for top_k in case.steps:
+        selected = torch.cat((top_k, newest.unsqueeze(1)), dim=1)
+        steps.append(torch.stack([row[torch.from_numpy(rng.permutation(row.numel()))] for row in selected]))
+    return steps, newest, reserved
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu parallel", "reference"])
+@pytest.mark.parametrize("policy", ["lru", "score_lru", "lrfu"])
+@FAST
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_step_page_table_is_the_swap_in_with_the_newest_in_its_reserved_row(backend, policy, case, seed):
+    """`page_table` (what a decode step calls; one compiled call on the cpu path) equals the plain swap-in
+    of the selection without the newest position, the newest column reading its reserved row, and its
+    totals are the plain swap-in's summed over the batch."""
+    steps, newest, reserved = with_newest(case, seed)
+    plain, fused = case.clone(), case.clone()
+    plain_policy = get_policy(policy, num_rows=case.num_rows, num_slots=case.num_slots)
+    fused_policy = get_policy(policy, num_rows=case.num_rows, num_slots=case.num_slots)
+    name = backend.split()[0]
+    bound = bound_swap_in(name, fused_policy, fused.slot_pos, fused.lru, fused.device_rows, fused.host_rows,
+                          fused.host_kv, fused.device_kv)
+    for selected, following in zip(steps, case.next_steps, strict=True):
+        is_newest = selected == newest.unsqueeze(1)
+        res = swap_in(selected.masked_fill(is_newest, -1), plain.rows, plain.slot_pos, plain.lru, plain.device_rows,
+                      plain.host_rows, plain.host_kv, plain.device_kv, policy=plain_policy, backend="reference",
+                      next_ranked=following)
+        with cpu_parallel_always() if backend == "cpu parallel" else nullcontext():
+            step = bound.page_table(selected, fused.rows, newest, reserved, following)
+        assert torch.equal(step.page_table, torch.where(is_newest, reserved.unsqueeze(1), res.page_table))
+        assert (step.hits, step.misses, step.evictions) == (
+            int(res.hits.sum()), int(res.misses.sum()), int(res.evictions.sum()))
+        assert all(isinstance(x, int) for x in (step.hits, step.misses, step.evictions))
+    assert torch.equal(plain.slot_pos, fused.slot_pos) and torch.equal(plain.lru, fused.lru)
+    assert torch.equal(plain.device_kv.view(torch.uint8), fused.device_kv.view(torch.uint8))
+    for key in plain_policy.state:
+        assert torch.equal(plain_policy.state[key], fused_policy.state[key])
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "score_lru", "lrfu"])
