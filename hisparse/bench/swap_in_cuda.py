@@ -7,7 +7,7 @@ plain host -> device copy of the same bytes. The one script to run when a GPU is
 Check: for each policy, several swap-ins of a batch run with the slot tables, the page table and the
 device pool in device memory and the host pool in pinned host memory (the kernel reads it directly), and
 the same steps run through the plain-Python reference on CPU copies of the same state; page tables,
-misses, evictions, slot tables, eviction order, the policy's state and the device rows must be identical.
+misses, evictions, hits, slot tables, eviction order, the policy's state and the device rows must be identical.
 Timing (lru, the default model's bfloat16 rows of 768 B): the kernel's median time per call over
 --repeats calls (CUDA events), as GB/s of the missed rows, next to a plain `copy_` of a contiguous pinned
 buffer of the same size to the device, timed just before each row of the table (as
@@ -73,7 +73,8 @@ def check_policy(name: str, device: str, batch: int, gen: torch.Generator) -> in
                       kernel.host_rows, kernel.host_kv, kernel.device_kv, policy=got_policy,
                       backend="triton", next_ranked=None if ranked is None else ranked.to(device))
         pairs = {"page_table": (want.page_table, got.page_table), "misses": (want.misses, got.misses),
-                 "evictions": (want.evictions, got.evictions), "slot_pos": (reference.slot_pos, kernel.slot_pos),
+                 "evictions": (want.evictions, got.evictions), "hits": (want.hits, got.hits),
+                 "slot_pos": (reference.slot_pos, kernel.slot_pos),
                  "lru": (reference.lru, kernel.lru), "device_kv": (reference.device_kv, kernel.device_kv)}
         pairs.update({f"state {key}": (want_policy.state[key], got_policy.state[key]) for key in want_policy.state})
         for what, (a, b) in pairs.items():
