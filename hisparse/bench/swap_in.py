@@ -13,8 +13,8 @@ the buffer. The host pool is larger than the caches and its rows are scattered, 
                                      [--host-pages huge] [--host-pages small,huge]
 
 The host pool is allocated as the engine allocates it (`host_memory.host_empty`: 2 MiB pages where the
-kernel lends them); `--host-pages small,huge` times both kinds in one run, and each table says how much
-of its pool the kernel actually backed with huge pages.
+kernel lends them); `--host-pages small,huge` gives each kind its own pools and times their calls in
+turn, row by row, and the table says how much of each pool the kernel actually backed with huge pages.
 
 GB/s counts the bytes of the missed rows once (as the plain copy counts its buffer once); "miss rows/s"
 is missed rows copied per second; us/call is the whole call, bookkeeping and argument checks included.
@@ -97,21 +97,25 @@ def make_top_k(pools: Pools, batch: int, top_k: int, total_misses: int, gen: tor
     return out
 
 
-def time_swap_in(pools: Pools, backend: str, batch: int, top_k: int, total_misses: int, repeats: int,
-                 gen: torch.Generator) -> float:
-    """Median seconds per call; the selection of each call is made from the state the last one left."""
+def time_swap_in(pool_sets: list[Pools], backend: str, batch: int, top_k: int, total_misses: int, repeats: int,
+                 gen: torch.Generator) -> list[float]:
+    """Median seconds per call on each pool set. The sets' calls take turns, which goes first alternating,
+    so that the load of a shared machine hits them alike; each call's selection is made from the state its
+    set's last call left."""
     rows = torch.arange(batch)
-    times = []
+    times: list[list[float]] = [[] for _ in pool_sets]
     for i in range(repeats + 1):
-        selection = make_top_k(pools, batch, top_k, total_misses, gen)
-        start = time.perf_counter()
-        res = swap_in(selection, rows, pools.slot_pos, pools.lru, pools.device_rows, pools.host_rows,
-                      pools.host_kv, pools.device_kv, backend=backend)
-        elapsed = time.perf_counter() - start
-        assert int(res.misses.sum()) == total_misses
-        if i:  # the first call compiles (numba) and warms the caches
-            times.append(elapsed)
-    return statistics.median(times)
+        turn = list(enumerate(pool_sets))
+        for k, pools in turn if i % 2 else turn[::-1]:
+            selection = make_top_k(pools, batch, top_k, total_misses, gen)
+            start = time.perf_counter()
+            res = swap_in(selection, rows, pools.slot_pos, pools.lru, pools.device_rows, pools.host_rows,
+                          pools.host_kv, pools.device_kv, backend=backend)
+            elapsed = time.perf_counter() - start
+            assert int(res.misses.sum()) == total_misses
+            if i:  # the first call compiles (numba) and warms the caches
+                times[k].append(elapsed)
+    return [statistics.median(t) for t in times]
 
 
 class PlainCopy:
@@ -171,36 +175,46 @@ def main(argv: list[str] | None = None) -> None:
     print(f"S={args.buffer} K={args.top_k} row={ROW_VALUES} values, host pool {args.host_gib:g} GiB, "
           f"median of {args.repeats}")
     for name in args.dtype.split(","):
-        for pages in page_kinds:
-            table_for(name, pages, args, batches, rates, backends, copy, gen)
+        table_for(name, page_kinds, args, batches, rates, backends, copy, gen)
 
 
-def table_for(name: str, pages: str, args: argparse.Namespace, batches: list[int], rates: list[float],
+def table_for(name: str, page_kinds: list[str], args: argparse.Namespace, batches: list[int], rates: list[float],
               backends: list[str], copy: PlainCopy, gen: torch.Generator) -> None:
-    """One dtype's table on one kind of host pages."""
+    """One dtype's table, a row per kind of host pages."""
     dtype = DTYPES[name]
-    pools = make_pools(max(batches), args.buffer, dtype, int(args.host_gib * (1 << 30)), gen, pages)
-    status = huge_page_status(pools.host_kv)
-    print(f"{name} rows, host pool on {pages} pages ({status.huge_bytes / pools.host_kv.nbytes:.0%} of it on "
-          f"2 MiB pages)")
-    print(f"{'backend':>9} {'dtype':>8} {'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} "
+    pool_sets = [make_pools(max(batches), args.buffer, dtype, int(args.host_gib * (1 << 30)), gen, pages)
+                 for pages in page_kinds]
+    print(f"{name} rows; host pool on 2 MiB pages: " + ", ".join(
+        f"{huge_page_status(p.host_kv).huge_bytes / p.host_kv.nbytes:.0%} of the {pages}-page one"
+        for pages, p in zip(page_kinds, pool_sets, strict=True)))
+    print(f"{'backend':>9} {'dtype':>8} {'pages':>5} {'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} "
           f"{'miss rows/s':>11} {'GB/s':>7} {'x copy':>6}")
-    best_full: dict[str, float] = {}
+    best_full: dict[tuple[str, str], tuple[float, int]] = {}  # (backend, pages): (x copy, batch)
+    full_seconds: dict[tuple[str, int, str], float] = {}
+    row_bytes = pool_sets[0].row_bytes
     for backend in backends:
         for batch in batches:
             for rate in rates:
                 total_misses = round(rate * batch * args.top_k)
                 copy_now = copy.gbps(3) if rate == 1.0 else None
-                seconds = time_swap_in(pools, backend, batch, args.top_k, total_misses, args.repeats, gen)
-                gbps = total_misses * pools.row_bytes / seconds / 1e9
-                print(f"{backend:>9} {name:>8} {batch:>5} {rate:>6.1%} {total_misses:>7} "
-                      f"{seconds * 1e6:>9.0f} {total_misses / seconds:>11.3g} {gbps:>7.2f}"
-                      + (f" {gbps / copy_now:>6.2f}" if copy_now else ""))
-                if copy_now:
-                    best_full[backend] = max(best_full.get(backend, 0.0), gbps / copy_now)
-    for backend, ratio in best_full.items():
-        print(f"{name}, {pages} pages: {backend} at 100% misses, best batch: {ratio:.2f}x the plain copy's GB/s "
-              f"(target 0.5)")
+                all_seconds = time_swap_in(pool_sets, backend, batch, args.top_k, total_misses, args.repeats, gen)
+                for pages, seconds in zip(page_kinds, all_seconds, strict=True):
+                    gbps = total_misses * row_bytes / seconds / 1e9
+                    print(f"{backend:>9} {name:>8} {pages:>5} {batch:>5} {rate:>6.1%} {total_misses:>7} "
+                          f"{seconds * 1e6:>9.0f} {total_misses / seconds:>11.3g} {gbps:>7.2f}"
+                          + (f" {gbps / copy_now:>6.2f}" if copy_now else ""))
+                    if copy_now:
+                        full_seconds[backend, batch, pages] = seconds
+                        if gbps / copy_now > best_full.get((backend, pages), (0.0, 0))[0]:
+                            best_full[backend, pages] = (gbps / copy_now, batch)
+    for (backend, pages), (ratio, batch) in best_full.items():
+        print(f"{name}, {pages} pages: {backend} at 100% misses, best batch ({batch}): {ratio:.2f}x the plain copy's "
+              f"GB/s (target 0.5)")
+    if {"small", "huge"} <= set(page_kinds):
+        for backend in backends:
+            print(f"{name}: {backend} at 100% misses, time per call on huge / on small pages: " + ", ".join(
+                f"batch {b} {full_seconds[backend, b, 'huge'] / full_seconds[backend, b, 'small']:.2f}"
+                for b in batches if (backend, b, "huge") in full_seconds))
 
 if __name__ == "__main__":
     main()
