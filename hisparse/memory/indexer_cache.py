@@ -5,13 +5,16 @@ past token each decode step, so the indexer keys of all tokens stay on the devic
 `IndexKeyFormat`: for DSA models as DSA stores them (the Hadamard-rotated key in e4m3 with one fp32
 scale, the query rotated and quantized the same way before scoring), for the default model in int8
 with one fp32 scale (the same 68 bytes for 64 dims, and 20x cheaper to widen on a CPU).
-A request owns one slot per position it may ever hold; `select` works in positions.
+A request owns one slot per position it may ever hold; `select` works in positions. On the CPU the int8
+keys are scored by one compiled loop (`kernels.index_scores_cpu`, about a third of the PyTorch path's
+time); `past_scores_reference` is that PyTorch path, and everything else uses it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hisparse.kernels.index_scores_cpu import int8_past_scores
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -28,6 +31,8 @@ class IndexerKeyCache:
         self.format = key_format
         self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
         self.allocator = SlotAllocator(num_slots)
+        # The compiled scorer reads the fp32 scale in place, so the row must be whole fp32 words.
+        self.compiled_scores = key_format.kind == "int8" and self.rows.device.type == "cpu" and self.index_dim % 4 == 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -84,6 +89,14 @@ class IndexerKeyCache:
 
     def _past_scores(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
         """Scores [B, width]: -inf beyond each request's length, +inf at its newest position."""
+        if self.compiled_scores:
+            return int8_past_scores(self.rows[layer], self.index_dim, slots.contiguous(),
+                                    self.format.prepare_query(index_q).contiguous(), index_w.float().contiguous(),
+                                    lengths.contiguous())
+        return self.past_scores_reference(layer, index_q, index_w, slots, lengths)
+
+    def past_scores_reference(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
+        """`_past_scores` in PyTorch, for every key format and device."""
         b, width = slots.shape
         scores = self.scores(layer, index_q, index_w, slots)
         positions = torch.arange(width, device=slots.device)

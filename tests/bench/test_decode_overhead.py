@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from hisparse.bench.decode_overhead import main
 
 
@@ -25,3 +27,18 @@ def test_decode_overhead_compares_two_eviction_policies(capsys):
     assert re.search(r"lru step \d+\.\d ms, lrfu step \d+\.\d ms, ratio \d+\.\d+ \(per repeat", out)
     assert "lru hit rate" in out and "lrfu hit rate" in out
     assert "outputs identical: True" in out  # offloading changes no result, whatever the policy
+
+
+def test_decode_overhead_compares_the_indexer_scorers(capsys):
+    """The PyTorch and the compiled scorer select the same tokens (greedy outputs identical) in one run."""
+    main(["--batch", "2", "--context", "200", "--steps", "4", "--repeats", "1", "--compare-scorers",
+          "--hisparse-config", '{"top_k": 32, "device_buffer_size": 48}'])
+    out = capsys.readouterr().out
+    assert re.search(r"torch scorer step \d+\.\d ms, compiled scorer step \d+\.\d ms, ratio \d+\.\d+ \(per repeat", out)
+    assert "hit rate" not in out and "outputs identical: True" in out
+
+
+def test_two_comparisons_at_once_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--policies", "lru,lrfu", "--compare-scorers"])
+    assert "pick one" in capsys.readouterr().err

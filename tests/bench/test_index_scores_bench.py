@@ -1,0 +1,27 @@
+"""The indexer scoring benchmark: a small run prints a row per batch, and bad flags say what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse.bench import index_scores
+
+
+def test_small_run_prints_a_row_per_batch(capsys):
+    index_scores.main(["--batches", "1,3", "--context", "40", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["1", "3"]
+    for row in rows:
+        compiled, reference, ratio, diff = (float(x) for x in row[1:])
+        assert compiled > 0 and reference > 0 and ratio > 0 and diff < 1e-4
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--head-dim", "6"], "--head-dim must be a positive multiple of 4"),
+    (["--context", "1"], "--context must be at least 2"),
+])
+def test_bad_flags_name_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        index_scores.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

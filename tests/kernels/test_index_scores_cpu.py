@@ -1,0 +1,78 @@
+"""The compiled int8 indexer scorer against the PyTorch reference: same masks, same scores to float32 rounding."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse.kernels import index_scores_cpu
+from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.indexer_cache import IndexerKeyCache
+
+
+def random_cache(seed: int, head_dim: int, num_slots: int, layers: int = 2) -> IndexerKeyCache:
+    g = torch.Generator().manual_seed(seed)
+    cache = IndexerKeyCache(layers, num_slots, IndexKeyFormat("int8", head_dim))
+    for layer in range(layers):
+        cache.write(layer, torch.arange(num_slots), torch.randn(num_slots, head_dim, generator=g) * 3)
+    return cache
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 5), width=st.integers(1, 700), heads=st.integers(1, 6),
+       head_dim=st.sampled_from([4, 12, 64, 128]), parallel=st.booleans(), weight_dtype=st.sampled_from(
+           [torch.float32, torch.bfloat16]))
+def test_compiled_scores_match_the_reference(seed, batch, width, heads, head_dim, parallel, weight_dtype):
+    g = torch.Generator().manual_seed(seed + 1)
+    cache = random_cache(seed, head_dim, num_slots=width + 50)
+    assert cache.compiled_scores
+    slots = torch.stack([torch.randperm(width + 50, generator=g)[:width] for _ in range(batch)])
+    lengths = torch.randint(1, width + 1, (batch,), generator=g)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    w = torch.randn(batch, heads, generator=g).to(weight_dtype)  # negative weights too: ReLU before weighting
+    saved = index_scores_cpu.PARALLEL_MIN_KEYS
+    index_scores_cpu.PARALLEL_MIN_KEYS = 0 if parallel else saved  # the small cases would all run serially
+    try:
+        got = cache._past_scores(1, q, w, slots, lengths)
+    finally:
+        index_scores_cpu.PARALLEL_MIN_KEYS = saved
+    want = cache.past_scores_reference(1, q, w, slots, lengths)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == (batch, width)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and torch.equal(got[~finite], want[~finite]), "masks differ"
+    for b in range(batch):
+        n = int(lengths[b])
+        assert got[b, n - 1] == float("inf") and (got[b, n:] == float("-inf")).all()
+    if finite.any():  # (every request may be one token long: only masks)
+        assert (got[finite] - want[finite]).abs().max() <= 1e-5 * (1 + want[finite].abs().max())
+
+
+def test_selection_uses_the_compiled_scorer_only_where_it_applies():
+    assert random_cache(0, 64, 8).compiled_scores
+    assert not IndexerKeyCache(1, 8, IndexKeyFormat("fp8", 64)).compiled_scores
+    assert not IndexerKeyCache(1, 8, IndexKeyFormat("float32", 64)).compiled_scores
+    assert not IndexerKeyCache(1, 8, IndexKeyFormat("int8", 6)).compiled_scores  # scale not on an fp32 word
+
+
+def test_the_compiled_scorer_really_runs(monkeypatch):
+    calls = []
+    real = index_scores_cpu.int8_past_scores
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr("hisparse.memory.indexer_cache.int8_past_scores", spy)
+    cache = random_cache(1, 64, 40)
+    picked = cache.select(0, torch.randn(2, 4, 64), torch.rand(2, 4), torch.arange(40).repeat(2, 1),
+                          torch.tensor([40, 30]), top_k=8)
+    assert len(calls) == 1 and picked.shape == (2, 8)
+
+
+def test_scores_of_positions_past_the_length_are_never_read():
+    """Padding slots (0 for a short request in a batch) may point anywhere: only masks come out there."""
+    cache = random_cache(2, 64, 16)
+    slots = torch.tensor([[3, 4, 5, 0, 0, 0]])
+    out = cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), slots, torch.tensor([3]))
+    assert torch.isfinite(out[0, :2]).all() and out[0, 2] == float("inf") and (out[0, 3:] == float("-inf")).all()
