@@ -1,7 +1,7 @@
 """What HiSparse costs a decode step at equal batch: the same requests, the same batch, offloaded or not.
 
     python -m hisparse.bench.decode_overhead [--batch 8] [--context 2048] [--steps 24] [--repeats 3]
-                                             [--hisparse-config JSON] [--policies A,B | --compare-scorers]
+                                             [--hisparse-config JSON] [--policies A,B | --compare-indexer-kernels]
 
 Both engines get a budget large enough to run the whole batch at once, so they run identical batches.
 Each repeat gives both the same prompts, prefills them (untimed), then steps the two engines in turn,
@@ -13,8 +13,9 @@ target of at most 1.10. Contexts are longer than the hot buffer, so swap-in real
 
 `--policies lru,lrfu` times two HiSparse engines instead, the same config but these eviction policies,
 and prints the second's step time over the first's and each one's hit rate and swap-in seconds.
-`--compare-scorers` times two baseline engines instead, the first scoring the indexer keys with the
-PyTorch path (`IndexerKeyCache.past_scores_reference`), the second with the compiled int8 scorer.
+`--compare-indexer-kernels` times two baseline engines instead, the first selecting with the indexer's
+PyTorch path (`IndexerKeyCache.past_scores_reference` and `select_reference`), the second with the
+compiled int8 scorer and top-k (the CPU default).
 """
 
 from __future__ import annotations
@@ -65,14 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
     parser.add_argument("--policies", default=None,
                         help="two eviction policies, e.g. lru,lrfu: compare HiSparse with each instead of the baseline")
-    parser.add_argument("--compare-scorers", action="store_true",
-                        help="time the baseline with the PyTorch indexer scorer against the compiled one instead")
+    parser.add_argument("--compare-indexer-kernels", action="store_true",
+                        help="time the baseline with the PyTorch indexer path against the compiled kernels instead")
     args = parser.parse_args(argv)
     policies = None if args.policies is None else args.policies.split(",")
     if policies is not None and len(policies) != 2:
         parser.error("--policies takes two eviction policies, e.g. lru,lrfu")
-    if policies is not None and args.compare_scorers:
-        parser.error("--policies and --compare-scorers are two different comparisons; pick one")
+    if policies is not None and args.compare_indexer_kernels:
+        parser.error("--policies and --compare-indexer-kernels are two different comparisons; pick one")
 
     path = default_model_path()
     model, tokenizer = load_llama(path, dtype=resolve_model_dtype()), Tokenizer.from_path(path)
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     budget = 2 << 30
     common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)
     hisparse = EngineConfig(**common, enable_hisparse=True, hisparse_config=args.hisparse_config)
-    if args.compare_scorers:
-        configs = {"torch scorer": hisparse.without_hisparse(), "compiled scorer": hisparse.without_hisparse()}
+    if args.compare_indexer_kernels:
+        configs = {"torch indexer": hisparse.without_hisparse(), "compiled indexer": hisparse.without_hisparse()}
     elif policies is None:
         configs = {"baseline": hisparse.without_hisparse(), "hisparse": hisparse}
     else:
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
             hisparse.hisparse_config, eviction_policy=name)) for name in policies}
     engines = {name: LLMEngine(config, model=model, tokenizer=tokenizer) for name, config in configs.items()}
     first, second = engines
-    if args.compare_scorers:
+    if args.compare_indexer_kernels:
         index_cache = engines[first].cache.index_cache
         if not index_cache.compiled_scores:
-            parser.error("this model's indexer keys are not int8 rows on the CPU: no compiled scorer to compare")
-        index_cache.compiled_scores = False
+            parser.error("this model's indexer keys are not int8 rows on the CPU: no compiled kernels to compare")
+        index_cache.compiled_scores = index_cache.compiled_top_k = False
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     ratios = []
     identical = True
@@ -105,11 +106,11 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(statistics.median(times[second]) / statistics.median(times[first]))
     steps = {name: statistics.median(seconds[name]) for name in engines}
     print(f"batch {args.batch}, context {args.context}, {args.steps} decode steps x {args.repeats} repeats")
-    comparing = policies is not None or args.compare_scorers
+    comparing = policies is not None or args.compare_indexer_kernels
     target = "" if comparing else "target <= 1.10; "
     print(f"{first} step {steps[first] * 1e3:.1f} ms, {second} step {steps[second] * 1e3:.1f} ms, "
           f"ratio {statistics.median(ratios):.3f} ({target}per repeat {', '.join(f'{r:.3f}' for r in ratios)})")
-    for name in [] if args.compare_scorers else engines if policies else [second]:
+    for name in [] if args.compare_indexer_kernels else engines if policies else [second]:
         swap = engines[name].stats_dict()["swap_in"]
         share = swap["swap_in_seconds"] / sum(seconds[name])
         print(f"{name} hit rate {swap['hit_rate']:.1%}; {swap['misses']} misses; swap-in "

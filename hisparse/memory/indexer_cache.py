@@ -7,7 +7,8 @@ scale, the query rotated and quantized the same way before scoring), for the def
 with one fp32 scale (the same 68 bytes for 64 dims, and 20x cheaper to widen on a CPU).
 A request owns one slot per position it may ever hold; `select` works in positions. On the CPU the int8
 keys are scored by one compiled loop (`kernels.index_scores_cpu`, about a third of the PyTorch path's
-time); `past_scores_reference` is that PyTorch path, and everything else uses it.
+time) and the top-k picked by another (`kernels.top_k_cpu`); `past_scores_reference` and
+`select_reference` are the PyTorch paths, which every other key format and device uses.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.kernels.index_scores_cpu import int8_past_scores
+from hisparse.kernels.top_k_cpu import top_k_ascending
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -33,6 +35,7 @@ class IndexerKeyCache:
         self.allocator = SlotAllocator(num_slots)
         # The compiled scorer reads the fp32 scale in place, so the row must be whole fp32 words.
         self.compiled_scores = key_format.kind == "int8" and self.rows.device.type == "cpu" and self.index_dim % 4 == 0
+        self.compiled_top_k = self.rows.device.type == "cpu"
 
     @property
     def bytes_per_token(self) -> int:
@@ -105,8 +108,15 @@ class IndexerKeyCache:
         scores[torch.arange(b, device=slots.device), lengths - 1] = _NEWEST
         return scores
 
+    def _select(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        if self.compiled_top_k and scores.dtype == torch.float32:
+            return top_k_ascending(scores.contiguous(), min(top_k, scores.shape[1]))
+        return self.select_reference(scores, top_k)
+
     @staticmethod
-    def _select(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    def select_reference(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        """`_select` in PyTorch: the top-k columns of each row, ascending, -inf never picked (-1 padding);
+        ties as `topk` breaks them."""
         b, width = scores.shape
         k = min(top_k, width)
         values, picked = scores.topk(k, dim=-1, sorted=False)

@@ -29,16 +29,16 @@ def test_decode_overhead_compares_two_eviction_policies(capsys):
     assert "outputs identical: True" in out  # offloading changes no result, whatever the policy
 
 
-def test_decode_overhead_compares_the_indexer_scorers(capsys):
-    """The PyTorch and the compiled scorer select the same tokens (greedy outputs identical) in one run."""
-    main(["--batch", "2", "--context", "200", "--steps", "4", "--repeats", "1", "--compare-scorers",
+def test_decode_overhead_compares_the_indexer_kernels(capsys):
+    """The PyTorch and the compiled indexer kernels select the same tokens (greedy outputs identical)."""
+    main(["--batch", "2", "--context", "200", "--steps", "4", "--repeats", "1", "--compare-indexer-kernels",
           "--hisparse-config", '{"top_k": 32, "device_buffer_size": 48}'])
     out = capsys.readouterr().out
-    assert re.search(r"torch scorer step \d+\.\d ms, compiled scorer step \d+\.\d ms, ratio \d+\.\d+ \(per repeat", out)
+    assert re.search(r"torch indexer step \d+\.\d ms, compiled indexer step \d+\.\d ms, ratio \d+\.\d+ \(per", out)
     assert "hit rate" not in out and "outputs identical: True" in out
 
 
 def test_two_comparisons_at_once_are_refused(capsys):
     with pytest.raises(SystemExit):
-        main(["--policies", "lru,lrfu", "--compare-scorers"])
+        main(["--policies", "lru,lrfu", "--compare-indexer-kernels"])
     assert "pick one" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The indexer scoring benchmark: a small run prints a row per batch, and bad flags say what is wrong."""
+"""The indexer selection benchmark: a small run prints a row per batch, and bad flags say what is wrong."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ from hisparse.bench import index_scores
 
 
 def test_small_run_prints_a_row_per_batch(capsys):
-    index_scores.main(["--batches", "1,3", "--context", "40", "--repeats", "2"])
+    index_scores.main(["--batches", "1,3", "--context", "40", "--top-k", "8", "--repeats", "2"])
     lines = capsys.readouterr().out.splitlines()
-    rows = [line.split() for line in lines[2:]]
+    assert lines[1].split() == ["scores", "top-k"]
+    rows = [line.split() for line in lines[3:]]
     assert [r[0] for r in rows] == ["1", "3"]
     for row in rows:
-        compiled, reference, ratio, diff = (float(x) for x in row[1:])
-        assert compiled > 0 and reference > 0 and ratio > 0 and diff < 1e-4
+        compiled, reference, ratio, diff, top_k_compiled, top_k_reference, top_k_ratio = (float(x) for x in row[1:])
+        assert min(compiled, reference, ratio, top_k_compiled, top_k_reference, top_k_ratio) > 0 and diff < 1e-4
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--head-dim", "6"], "--head-dim must be a positive multiple of 4"),
     (["--context", "1"], "--context must be at least 2"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
 ])
 def test_bad_flags_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

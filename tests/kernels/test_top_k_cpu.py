@@ -1,0 +1,71 @@
+"""The compiled top-k against the PyTorch reference, and its own rules: ascending, -inf never, ties earliest."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse.kernels import top_k_cpu
+from hisparse.kernels.top_k_cpu import top_k_ascending
+from hisparse.memory.indexer_cache import IndexerKeyCache
+
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def random_scores(seed: int, batch: int, width: int, ties: bool) -> torch.Tensor:
+    """Scores as the indexer leaves them: -inf past each row's length, +inf at its newest position."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (batch, width), generator=g).float() if ties else torch.randn(batch, width,
+                                                                                                generator=g)
+    lengths = torch.randint(1, width + 1, (batch,), generator=g)
+    for b, n in enumerate(lengths.tolist()):
+        scores[b, n:] = float("-inf")
+        scores[b, n - 1] = float("inf")
+    return scores
+
+
+def run(scores: torch.Tensor, k: int, parallel: bool) -> torch.Tensor:
+    saved = top_k_cpu.PARALLEL_MIN_SCORES
+    top_k_cpu.PARALLEL_MIN_SCORES = 0 if parallel else saved
+    try:
+        return top_k_ascending(scores, k)
+    finally:
+        top_k_cpu.PARALLEL_MIN_SCORES = saved
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 6), width=st.integers(1, 400), k=st.integers(1, 400),
+       parallel=st.booleans())
+def test_matches_the_reference_without_ties(seed, batch, width, k, parallel):
+    scores = random_scores(seed, batch, width, ties=False)
+    k = min(k, width)
+    assert torch.equal(run(scores, k, parallel), IndexerKeyCache.select_reference(scores, k))
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 6), width=st.integers(1, 300), k=st.integers(1, 300),
+       parallel=st.booleans())
+def test_ties_go_to_the_earliest_positions(seed, batch, width, k, parallel):
+    scores = random_scores(seed, batch, width, ties=True)
+    k = min(k, width)
+    got = run(scores, k, parallel)
+    reference = IndexerKeyCache.select_reference(scores, k)
+    assert got.shape == (batch, k) and got.dtype == torch.int64
+    for b in range(batch):
+        row = scores[b]
+        finite_or_newest = (row > float("-inf")).nonzero().squeeze(1)
+        picked = [p for p in got[b].tolist() if p >= 0]
+        assert got[b].tolist()[len(picked):] == [-1] * (k - len(picked)), "padding last"
+        assert len(picked) == min(k, finite_or_newest.numel())
+        assert picked == sorted(set(picked)), "ascending, no repeats"
+        # The expected set: a stable sort by descending score keeps the earliest of equal scores first.
+        order = sorted(finite_or_newest.tolist(), key=lambda p: -float(row[p]))
+        assert picked == sorted(order[:k])
+        theirs = [p for p in reference[b].tolist() if p >= 0]
+        assert sorted(row[picked].tolist()) == sorted(row[theirs].tolist()), "the reference's scores, ties aside"
+
+
+def test_a_row_of_one_token_selects_it():
+    scores = torch.tensor([[float("inf"), float("-inf"), float("-inf")]])
+    assert top_k_ascending(scores, 2).tolist() == [[0, -1]]
