@@ -9,6 +9,8 @@ took 3x as long), and one scan in position order keeps every position above it a
 it, the earliest until k are kept, so the output comes out ascending with no sort; ties therefore go to
 the earlier positions (`topk` leaves ties to its implementation). Positions scored -inf (past a
 request's length) are never selected: a row with fewer than k others is padded with -1 at the end.
+`python -m hisparse.bench.index_scores` (k = 256 of 2k positions; our 2-core machine): 0.38 / 0.46 / 0.44 /
+0.53x the PyTorch path's time at batch 1 / 4 / 8 / 16.
 
 The reference is `IndexerKeyCache.select_reference` (the PyTorch path).
 """
