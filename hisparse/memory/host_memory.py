@@ -26,7 +26,9 @@ PAGE_KINDS = ("huge", "small")
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, pages: str = "huge") -> torch.Tensor:
-    """An uninitialised host tensor; `pages="huge"` asks for 2 MiB pages (plain pages where refused)."""
+    """An uninitialised host tensor; `pages="huge"` asks for 2 MiB pages (plain pages where refused),
+    `pages="small"` is plain `torch.empty`: it asks for nothing (its memory may still land in a region
+    another library advised)."""
     if pages not in PAGE_KINDS:
         raise ValueError(f"pages must be one of {', '.join(PAGE_KINDS)}, not {pages!r}")
     nbytes = math.prod(shape) * dtype.itemsize
