@@ -63,23 +63,35 @@ def _kernels(head_dim: int):
             total += wb[h] * max(acc, np.float32(0.0))
         return total
 
-    def scores(keys, scales, slots, q, w, lengths, out):
-        batch, width = slots.shape
-        tiles = (width + TILE - 1) // TILE
-        for t in prange(batch * tiles):
-            b = t // tiles
-            lo = (t % tiles) * TILE
-            hi = min(lo + TILE, width)
-            n = lengths[b]
-            qb = q[b]
-            wb = w[b]
-            for p in range(lo, hi):
-                if p >= n:
-                    out[b, p] = -np.inf
-                elif p == n - 1:
-                    out[b, p] = np.inf
-                else:
-                    s = slots[b, p]
-                    out[b, p] = score(keys, s, qb, wb) * scales[s]
+    @njit(fastmath=_FLAGS, cache=True)
+    def score_tile(keys, scales, slots, q, w, lengths, out, t):
+        """Work item t: TILE positions of one request."""
+        tiles = (slots.shape[1] + TILE - 1) // TILE
+        b = t // tiles
+        lo = (t % tiles) * TILE
+        hi = min(lo + TILE, slots.shape[1])
+        n = lengths[b]
+        qb = q[b]
+        wb = w[b]
+        for p in range(lo, hi):
+            if p >= n:
+                out[b, p] = -np.inf
+            elif p == n - 1:
+                out[b, p] = np.inf
+            else:
+                s = slots[b, p]
+                out[b, p] = score(keys, s, qb, wb) * scales[s]
 
-    return njit(fastmath=_FLAGS, cache=True)(scores), njit(parallel=True, fastmath=_FLAGS, cache=True)(scores)
+    # Two drivers, not one function compiled twice: numba's disk cache keys a compiled function by the
+    # Python function and the argument types, not by `parallel`, so the two would share one cache entry.
+    @njit(cache=True)
+    def serial(keys, scales, slots, q, w, lengths, out):
+        for t in range(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
+            score_tile(keys, scales, slots, q, w, lengths, out, t)
+
+    @njit(parallel=True, cache=True)
+    def parallel(keys, scales, slots, q, w, lengths, out):
+        for t in prange(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
+            score_tile(keys, scales, slots, q, w, lengths, out, t)
+
+    return serial, parallel

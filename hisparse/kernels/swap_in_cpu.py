@@ -383,6 +383,8 @@ def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, m
     return error, detail, page_table, misses, evictions, hits, totals, src, dst
 
 
+# Serial and parallel variants are separate functions (here and for the copies): numba's disk cache keys a
+# compiled function by the Python function and the argument types, not by `parallel`.
 @njit(cache=True)
 def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
                        next_ranked, constants, policy, host_words, device_words, serial_copy_rows):

@@ -47,44 +47,55 @@ def _ordered(bits):
 _MINUS_INF = 0x007FFFFF  # _ordered(bits of -inf)
 
 
-def _top_k(bits, k, out):
-    batch, width = bits.shape
-    for b in prange(batch):
-        keys = np.empty(width, np.uint32)
+@njit(cache=True)
+def _top_k_row(bits, b, k, out):
+    """Row b of `top_k_ascending`."""
+    width = bits.shape[1]
+    keys = np.empty(width, np.uint32)
+    for p in range(width):
+        keys[p] = _ordered(bits[b, p])
+    # Radix select of the k-th largest key, 8 bits at a time from the top.
+    prefix = np.uint32(0)
+    mask = np.uint32(0)
+    remaining = k  # of the keys matching the prefix so far, how many more we need
+    histogram = np.zeros(256, np.int64)
+    for shift in (24, 16, 8, 0):
+        histogram[:] = 0
         for p in range(width):
-            keys[p] = _ordered(bits[b, p])
-        # Radix select of the k-th largest key, 8 bits at a time from the top.
-        prefix = np.uint32(0)
-        mask = np.uint32(0)
-        remaining = k  # of the keys matching the prefix so far, how many more we need
-        histogram = np.zeros(256, np.int64)
-        for shift in (24, 16, 8, 0):
-            histogram[:] = 0
-            for p in range(width):
-                if keys[p] & mask == prefix:
-                    histogram[(keys[p] >> shift) & 255] += 1
-            digit = 255
-            while histogram[digit] < remaining:
-                remaining -= histogram[digit]
-                digit -= 1
-            prefix |= np.uint32(digit) << shift
-            mask |= np.uint32(255) << shift
-        # prefix is the k-th largest key; `remaining` of the keys equal to it are kept, the earliest first.
-        kept = 0
-        for p in range(width):
-            key = keys[p]
-            if key == _MINUS_INF:
-                continue
-            if key > prefix:
-                out[b, kept] = p
-                kept += 1
-            elif key == prefix and remaining > 0:
-                out[b, kept] = p
-                kept += 1
-                remaining -= 1
-        for j in range(kept, k):
-            out[b, j] = -1
+            if keys[p] & mask == prefix:
+                histogram[(keys[p] >> shift) & 255] += 1
+        digit = 255
+        while histogram[digit] < remaining:
+            remaining -= histogram[digit]
+            digit -= 1
+        prefix |= np.uint32(digit) << shift
+        mask |= np.uint32(255) << shift
+    # prefix is the k-th largest key; `remaining` of the keys equal to it are kept, the earliest first.
+    kept = 0
+    for p in range(width):
+        key = keys[p]
+        if key == _MINUS_INF:
+            continue
+        if key > prefix:
+            out[b, kept] = p
+            kept += 1
+        elif key == prefix and remaining > 0:
+            out[b, kept] = p
+            kept += 1
+            remaining -= 1
+    for j in range(kept, k):
+        out[b, j] = -1
 
 
-_top_k_serial = njit(cache=True)(_top_k)
-_top_k_parallel = njit(parallel=True, cache=True)(_top_k)
+# Two drivers, not one function compiled twice: numba's disk cache keys a compiled function by the Python
+# function and the argument types, not by `parallel`, so the two would share one cache entry.
+@njit(cache=True)
+def _top_k_serial(bits, k, out):
+    for b in range(bits.shape[0]):
+        _top_k_row(bits, b, k, out)
+
+
+@njit(parallel=True, cache=True)
+def _top_k_parallel(bits, k, out):
+    for b in prange(bits.shape[0]):
+        _top_k_row(bits, b, k, out)
