@@ -110,7 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     target = "" if comparing else "target <= 1.10; "
     print(f"{first} step {steps[first] * 1e3:.1f} ms, {second} step {steps[second] * 1e3:.1f} ms, "
           f"ratio {statistics.median(ratios):.3f} ({target}per repeat {', '.join(f'{r:.3f}' for r in ratios)})")
-    for name in [] if args.compare_indexer_kernels else engines if policies else [second]:
+    if args.compare_indexer_kernels:
+        with_swap_in = []  # two baselines
+    elif policies:
+        with_swap_in = list(engines)
+    else:
+        with_swap_in = [second]
+    for name in with_swap_in:
         swap = engines[name].stats_dict()["swap_in"]
         share = swap["swap_in_seconds"] / sum(seconds[name])
         print(f"{name} hit rate {swap['hit_rate']:.1%}; {swap['misses']} misses; swap-in "
