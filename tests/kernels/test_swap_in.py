@@ -432,3 +432,21 @@ def test_next_ranked_out_of_range_is_a_value_error_and_changes_nothing(backend, 
 def test_empty_batch_is_a_no_op():
     res = _call(torch.zeros((0, 3), dtype=torch.int64), rows=torch.zeros(0, dtype=torch.int64))
     assert res.page_table.shape == (0, 3) and res.misses.shape == (0,)
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_copies=st.integers(0, 3 * swap_in_cpu._COPY_CHUNK + 5), row_bytes=st.sampled_from([6, 7, 64, 656, 768]),
+       parallel=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_cpu_row_copy_writes_exactly_the_listed_rows(num_copies, row_bytes, parallel, seed):
+    """The prefetching copy (short lists, lists of several parallel chunks, rows not a whole number of
+    cache lines or words) writes each listed destination row with its source row and nothing else."""
+    rng = np.random.default_rng(seed)
+    host = torch.from_numpy(rng.integers(0, 256, (4 * num_copies + 8, row_bytes), dtype=np.uint8))
+    device = torch.from_numpy(rng.integers(0, 256, (2 * num_copies + 8, row_bytes), dtype=np.uint8))
+    src = rng.choice(host.shape[0], num_copies, replace=False).astype(np.int64)
+    dst = rng.choice(device.shape[0], num_copies, replace=False).astype(np.int64)
+    expected = device.clone()
+    expected[torch.from_numpy(dst)] = host[torch.from_numpy(src)]
+    copy = swap_in_cpu._copy_rows_parallel if parallel else swap_in_cpu._copy_rows_serial
+    copy(swap_in_cpu._as_words(host), swap_in_cpu._as_words(device), src, dst)
+    assert torch.equal(device, expected)
