@@ -35,16 +35,6 @@ class SwapInResult:
     hits: torch.Tensor  # int32 [B]: selected positions that were in the hot buffer already
 
 
-@dataclass
-class StepPageTable:
-    """One layer's page table for a decode step, and the step's totals over the batch for the counters."""
-
-    page_table: torch.Tensor  # int64 [B, K]
-    hits: int
-    misses: int
-    evictions: int
-
-
 def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
             device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
             device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru", backend: str = "auto",
@@ -92,9 +82,10 @@ class BoundSwapIn:
 
     `self(top_k, rows, next_ranked=None)` is the kernel's contract. `page_table` is the swap-in as a
     decode step uses it: each request's newest position is never swapped in but read from its reserved
-    device row (the forward pass writes it there), and the step's totals come back as ints for the
-    counters. The cpu backend does all of that in one compiled call (`BoundCpuSwapIn`): each torch op
-    around a swap-in runs with the caches the layer's weights just flushed, about 10 us apiece.
+    device row (the forward pass writes it there), and the step's totals are added to the counters'
+    tensor where they are, so that a step never waits for the device. The cpu backend does all of that
+    in one compiled call (`BoundCpuSwapIn`): each torch op around a swap-in runs with the caches the
+    layer's weights just flushed, about 10 us apiece.
     """
 
     def __init__(self, implementation: Callable[..., SwapInResult], policy: EvictionPolicy, slot_pos: torch.Tensor,
@@ -109,15 +100,15 @@ class BoundSwapIn:
         return self.implementation(top_k, rows, *self.tensors, policy=self.policy, next_ranked=next_ranked)
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
-                   next_ranked: torch.Tensor | None = None) -> StepPageTable:
+                   totals: torch.Tensor, next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """Device rows [B, K] of `selected` [B, K] (-1 padding stays -1): swap-in for every position but
-        `newest` [B], which reads `reserved` [B]."""
+        `newest` [B], which reads `reserved` [B]. The batch's (hits, misses, evictions) are added to
+        `totals`, int64 [3] on the tables' device: on a GPU, reading them here would wait for the device
+        once per layer."""
         is_newest = selected == newest.unsqueeze(1)
         result = self(selected.masked_fill(is_newest, -1), rows, next_ranked)
-        page_table = torch.where(is_newest, reserved.unsqueeze(1), result.page_table)
-        # One read of the three totals: on a GPU each read waits for the device.
-        hits, misses, evictions = torch.stack((result.hits.sum(), result.misses.sum(), result.evictions.sum())).tolist()
-        return StepPageTable(page_table, hits, misses, evictions)
+        totals += torch.stack((result.hits.sum(), result.misses.sum(), result.evictions.sum()))
+        return torch.where(is_newest, reserved.unsqueeze(1), result.page_table)
 
 
 def resolve_backend(backend: str, policy: EvictionPolicy, device: torch.device) -> str:

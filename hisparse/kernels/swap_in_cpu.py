@@ -16,7 +16,7 @@ bookkeeping loop, was 1.3-1.6x slower at 100% misses: the scattered loads stall 
 a tight copy loop keeps many rows in flight.)
 
 `BoundCpuSwapIn.page_table` is the same plan and copy with the decode step's newest position handled
-inside (read from its reserved row, never swapped) and the batch's totals summed inside, so a layer's
+inside (read from its reserved row, never swapped) and the batch's totals added inside, so a layer's
 swap-in is one compiled call: in the engine each torch or numpy op around it runs on caches the layer's
 weights have just flushed (about 10 us apiece), and the masking, the totals and the merge of the
 reserved rows were more than half of HiSparse's time per layer at batch 1.
@@ -43,7 +43,6 @@ from hisparse.kernels.swap_in import (
     ROW_OUT_OF_RANGE,
     ROW_TWICE,
     TOO_MANY_SELECTED,
-    StepPageTable,
     SwapInResult,
     raise_value_error,
 )
@@ -102,30 +101,31 @@ class BoundCpuSwapIn:
                  next_ranked: torch.Tensor | None = None) -> SwapInResult:
         batch = top_k.shape[0]
         none = np.full(batch, _NOT_A_POSITION, np.int64)
-        page_table, misses, evictions, hits, _ = self._run(top_k, rows, none, none, next_ranked)
+        page_table, misses, evictions, hits = self._run(top_k, rows, none, none, np.zeros(3, np.int64), next_ranked)
         return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions),
                             torch.from_numpy(hits))
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
-                   next_ranked: torch.Tensor | None = None) -> StepPageTable:
+                   totals: torch.Tensor, next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """`BoundSwapIn.page_table` in one compiled call (see the module docstring)."""
-        page_table, _, _, _, totals = self._run(selected, rows, newest.numpy(), reserved.numpy(), next_ranked)
-        return StepPageTable(torch.from_numpy(page_table), *totals)
+        page_table, _, _, _ = self._run(selected, rows, newest.numpy(), reserved.numpy(), totals.numpy(), next_ranked)
+        return torch.from_numpy(page_table)
 
     def _run(self, top_k: torch.Tensor, rows: torch.Tensor, newest: np.ndarray, reserved: np.ndarray,
-             next_ranked: torch.Tensor | None) -> tuple:
-        """Check, plan, copy: (page_table, misses, evictions, hits, (hits, misses, evictions) summed)."""
+             totals: np.ndarray, next_ranked: torch.Tensor | None) -> tuple:
+        """Check, plan, copy: (page_table, misses, evictions, hits); the batch's (hits, misses, evictions)
+        are added to `totals`."""
         batch, width = top_k.shape
         ranked = _NO_RANKS if next_ranked is None else next_ranked.numpy()
         plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
-        error, detail, page_table, misses, evictions, hits, totals, src, dst = plan(
+        error, detail, page_table, misses, evictions, hits, src, dst = plan(
             top_k.numpy(), rows.numpy(), newest, reserved, *self.tables, ranked, self.constants, self.code,
-            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes)
+            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
         if src.size:  # more missed bytes than the plan copies on its own thread
             _copy_rows_parallel(self.host_words, self.device_words, src, dst)
-        return page_table, misses, evictions, hits, totals
+        return page_table, misses, evictions, hits
 
 
 def _as_words(kv: torch.Tensor) -> np.ndarray:
@@ -383,25 +383,32 @@ def _plan_start(top_k, rows, newest, slot_pos, host_rows, next_ranked):
 
 
 @njit(cache=True)
+def _add_totals(totals, hits, misses, evictions):
+    totals[0] += hits.sum()
+    totals[1] += misses.sum()
+    totals[2] += evictions.sum()
+
+
+@njit(cache=True)
 def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
-                 serial_copy_rows):
-    """Sum the totals and list the copies; a batch with few missed rows is copied here, on this thread
+                 serial_copy_rows, totals):
+    """Add up the totals and list the copies; a batch with few missed rows is copied here, on this thread
     (waking the pool would cost more), and then no rows are left for the caller's parallel copy."""
-    totals = (np.int64(hits.sum()), np.int64(misses.sum()), np.int64(evictions.sum()))
+    _add_totals(totals, hits, misses, evictions)
     src, dst = _flatten_misses(miss_src, miss_dst, misses)
     if src.size < serial_copy_rows:
         _copy_rows_serial(host_words, device_words, src, dst)
         src, dst = src[:0], dst[:0]
-    return error, detail, page_table, misses, evictions, hits, totals, src, dst
+    return error, detail, page_table, misses, evictions, hits, src, dst
 
 
 # Serial and parallel variants are separate functions (here and for the copies): numba's disk cache keys a
 # compiled function by the Python function and the argument types, not by `parallel`.
 @njit(cache=True)
 def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows):
+                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals):
     """Check, plan every request, copy a few rows or list them: (error, detail, page table, misses,
-    evictions, hits, their totals, src rows, dst rows left to copy)."""
+    evictions, hits, src rows, dst rows left to copy); the batch's totals are added to `totals`."""
     error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
         top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
@@ -410,12 +417,12 @@ def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows
                 b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
                 next_ranked, constants, policy, page_table, miss_src, miss_dst)
     return _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words,
-                        device_words, serial_copy_rows)
+                        device_words, serial_copy_rows, totals)
 
 
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows):
+                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals):
     """_plan_batch_serial with one request per iteration of a parallel loop, and the copies in a second
     parallel loop of the same call: waking the thread pool costs about 80 us when it has slept (as it has
     between two layers' swap-ins), and a separate copy call could find it asleep again."""
@@ -426,12 +433,12 @@ def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_ro
             misses[b], evictions[b], hits[b] = _plan_row(
                 b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
                 next_ranked, constants, policy, page_table, miss_src, miss_dst)
-    totals = (np.int64(hits.sum()), np.int64(misses.sum()), np.int64(evictions.sum()))
+    _add_totals(totals, hits, misses, evictions)
     src, dst = _flatten_misses(miss_src, miss_dst, misses)
     n = src.shape[0]
     for c in prange((n + _COPY_CHUNK - 1) // _COPY_CHUNK):
         _copy_rows(host_words, device_words, src, dst, c * _COPY_CHUNK, min((c + 1) * _COPY_CHUNK, n))
-    return error, detail, page_table, misses, evictions, hits, totals, src[:0], dst[:0]
+    return error, detail, page_table, misses, evictions, hits, src[:0], dst[:0]
 
 
 @njit(cache=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse.kernels.swap_in import StepPageTable, bound_swap_in
+from hisparse.kernels.swap_in import bound_swap_in
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -51,39 +51,34 @@ class HiSparseAllocation:
 
 
 class SwapInCounters:
-    """Per-layer hits, misses, evictions, bytes copied host -> device and swap-in seconds."""
+    """Per-layer hits, misses, evictions, bytes copied host -> device and swap-in seconds.
 
-    def __init__(self, num_layers: int) -> None:
-        self.hits = np.zeros(num_layers, dtype=np.int64)
-        self.misses = np.zeros(num_layers, dtype=np.int64)
-        self.evictions = np.zeros(num_layers, dtype=np.int64)
-        self.bytes_h2d = np.zeros(num_layers, dtype=np.int64)
+    Hits, misses and evictions add up where the swap-in runs (`totals`, a tensor on the pools' device), so
+    a decode step never waits for a GPU to count them; they are read when the counters are.
+    """
+
+    def __init__(self, num_layers: int, row_bytes: int, device: str = "cpu") -> None:
+        self.row_bytes = row_bytes
+        self.totals = torch.zeros(num_layers, 3, dtype=torch.int64, device=device)  # hits, misses, evictions
         self.seconds = np.zeros(num_layers, dtype=np.float64)
-        self.fast_path_lookups = 0  # selections served without swap-in (request still fits its buffer)
+        self.fast_path = torch.zeros((), dtype=torch.int64, device=device)  # selections served without swap-in
         self.prompt_load_bytes = 0  # prompt tails copied into hot buffers after prefill
 
-    def record(self, layer: int, step: StepPageTable, seconds: float, row_bytes: int) -> None:
-        """One layer's swap-in of one decode step."""
-        self.hits[layer] += step.hits
-        self.misses[layer] += step.misses
-        self.evictions[layer] += step.evictions
-        self.bytes_h2d[layer] += step.misses * row_bytes
-        self.seconds[layer] += seconds
-
     def as_dict(self) -> dict:
-        lookups = int(self.hits.sum() + self.misses.sum())
+        hits, misses, evictions = self.totals.cpu().numpy().T
+        bytes_h2d = misses * self.row_bytes
+        lookups = int(hits.sum() + misses.sum())
         return {
-            "hits": int(self.hits.sum()),
-            "misses": int(self.misses.sum()),
-            "evictions": int(self.evictions.sum()),
-            "bytes_host_to_device": int(self.bytes_h2d.sum()),
+            "hits": int(hits.sum()),
+            "misses": int(misses.sum()),
+            "evictions": int(evictions.sum()),
+            "bytes_host_to_device": int(bytes_h2d.sum()),
             "swap_in_seconds": float(self.seconds.sum()),
-            "hit_rate": (int(self.hits.sum()) / lookups) if lookups else None,
-            "fast_path_lookups": self.fast_path_lookups,
+            "hit_rate": (int(hits.sum()) / lookups) if lookups else None,
+            "fast_path_lookups": int(self.fast_path),
             "prompt_load_bytes": self.prompt_load_bytes,
-            "per_layer": {"hits": self.hits.tolist(), "misses": self.misses.tolist(),
-                          "evictions": self.evictions.tolist(), "bytes_host_to_device": self.bytes_h2d.tolist(),
-                          "swap_in_seconds": self.seconds.tolist()},
+            "per_layer": {"hits": hits.tolist(), "misses": misses.tolist(), "evictions": evictions.tolist(),
+                          "bytes_host_to_device": bytes_h2d.tolist(), "swap_in_seconds": self.seconds.tolist()},
         }
 
 
@@ -182,7 +177,7 @@ class HiSparsePools:
         self.swap_in = [bound_swap_in(swap_in_backend, self.policies[layer], self.slot_pos[layer], self.lru[layer],
                                       self.device_rows, self.host_rows, self.host_kv[layer], self.device_kv[layer])
                         for layer in range(num_layers)]
-        self.counters = SwapInCounters(num_layers)
+        self.counters = SwapInCounters(num_layers, self.row_bytes, device)
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -283,16 +278,16 @@ class HiSparsePools:
             fast = step.fast
             valid = selected[fast] >= 0
             page[fast] = torch.where(valid, self.device_rows[step.fast_rows, selected[fast].clamp(min=0)], -1)
-            self.counters.fast_path_lookups += int(valid.sum())
+            self.counters.fast_path += valid.sum()
         if step.has_swapping:
             swap_sel = selected if every else selected[step.swapping]
             if next_ranked is not None and not every:
                 next_ranked = next_ranked[step.swapping]
             start = time.perf_counter()
             swapped = self.swap_in[layer].page_table(swap_sel, step.swap_rows, step.swap_newest, step.swap_reserved,
-                                                     next_ranked)
-            self.counters.record(layer, swapped, time.perf_counter() - start, self.row_bytes)
+                                                     self.counters.totals[layer], next_ranked)
+            self.counters.seconds[layer] += time.perf_counter() - start
             if every:
-                return swapped.page_table
-            page[step.swapping] = swapped.page_table
+                return swapped
+            page[step.swapping] = swapped
         return page
