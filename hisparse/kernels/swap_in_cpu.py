@@ -54,8 +54,12 @@ POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 _HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash; odd, so it permutes the low bits
 # Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
-# workers, milliseconds on a loaded machine), so small steps run on the calling thread.
-PARALLEL_MIN_SELECTED = 4096  # batch x top_k
+# workers, milliseconds on a loaded machine), so small steps run on the calling thread. In the engine the
+# workers also wait for the cores torch's threads spin on between two layers: at batch 16 and 32 (about
+# 10% misses) a layer's swap-in took 146 / 193 / 141 us planned on one thread against 152 / 219 / 205 us
+# planned in parallel (two engines stepping in turn, three runs), so only a batch of 64 requests at
+# top-256 plans in parallel, where the benchmark's 100%-miss calls gain from it.
+PARALLEL_MIN_SELECTED = 16384  # batch x top_k
 PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
 _HASH_SLOTS_PER_KEY = 8
 _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have

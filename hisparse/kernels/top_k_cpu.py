@@ -25,7 +25,11 @@ from hisparse.kernels.numba_threads import choose_threading_layer
 
 choose_threading_layer()
 
-PARALLEL_MIN_SCORES = 8192  # batch x width below which one thread does it all
+# batch x width below which one thread does it all. A short parallel region costs the engine more than
+# its own time: the thread pool's wake-up, and a slower swap-in after it (at batch 8, 2k context, 192 against
+# 150 us a layer). Two engines stepping in turn, batch 8 and 2k context: a step took 0.935x and 0.964x as
+# long with the serial top-k; at batch 16 the two were even (1.002).
+PARALLEL_MIN_SCORES = 32768
 
 
 def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
