@@ -12,12 +12,12 @@ import torch
 
 from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
-from hisparse.layers.attention import causal_attention, decode_attention
+from hisparse.layers.attention import causal_attention
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.memory.rows import gather_rows, split_kv
+from hisparse.memory.rows import attend_rows, gather_rows, split_kv
 
 
 class HiSparseKVCache(HiSparsePools):
@@ -98,5 +98,4 @@ class HiSparseAttention:
             selected = cache.index_cache.select(*args)  # [B, K] ascending, newest included
         page = cache.page_table(layer, self.step, selected, next_ranked)
         layout = cache.layout
-        ks, vs = split_kv(gather_rows(device_kv, page.clamp(min=0)), layout.num_kv_heads, layout.head_dim)
-        return decode_attention(q, ks, vs, page >= 0, cache.scale)
+        return attend_rows(device_kv, page, q, cache.scale, layout.num_kv_heads, layout.head_dim)

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
-from hisparse.layers.attention import causal_attention, decode_attention
+from hisparse.layers.attention import causal_attention
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.indexer_cache import IndexerKeyCache
-from hisparse.memory.rows import gather_rows, split_kv
+from hisparse.memory.rows import attend_rows, gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
 
 
@@ -134,9 +134,8 @@ class PagedAttention:
         if self.decode:
             self.decode_lengths = torch.tensor([s.end for s in self.decode])
             width = int(self.decode_lengths.max())
-            self.decode_rows = torch.stack([
-                F.pad(s.request.kv.slots[:s.end], (0, width - s.end)) for s in self.decode])
-            self.decode_mask = torch.arange(width).unsqueeze(0) < self.decode_lengths.unsqueeze(1)
+            self.decode_rows = torch.stack([  # -1: past a request's length
+                F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
             self.decode_offsets = torch.tensor([s.offset for s in self.decode])
             if cache.index_cache is not None:
                 self.decode_index_slots = torch.stack([
@@ -169,7 +168,7 @@ class PagedAttention:
             sl = slice(span.offset, span.offset + span.length)
             out[sl] = causal_attention(q[sl], ks, vs, cache.scale)
         if self.decode:
-            rows, mask = self.decode_rows, self.decode_mask
+            rows = self.decode_rows
             sparse = has_index and cache.sparse.sparse_in(layer)
             if sparse or (has_index and self.trace_steps):
                 args = (layer, index_q[self.decode_offsets], index_w[self.decode_offsets], self.decode_index_slots,
@@ -182,8 +181,7 @@ class PagedAttention:
                     step["layers"][layer] = selected[b].to(torch.int32).numpy()
                     step["next"][layer] = following[b].to(torch.int32).numpy()
                 if sparse:
-                    rows = rows.gather(1, selected.clamp(min=0))
-                    mask = selected >= 0
-            ks, vs = split_kv(gather_rows(pool, rows), layout.num_kv_heads, layout.head_dim)
-            out[self.decode_offsets] = decode_attention(q[self.decode_offsets], ks, vs, mask, cache.scale)
+                    rows = torch.where(selected >= 0, rows.gather(1, selected.clamp(min=0)), -1)
+            out[self.decode_offsets] = attend_rows(pool, rows, q[self.decode_offsets], cache.scale, layout.num_kv_heads,
+                                                   layout.head_dim)
         return out

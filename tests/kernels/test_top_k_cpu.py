@@ -77,11 +77,12 @@ def test_a_row_of_one_token_selects_it():
 def test_serial_and_parallel_kernels_are_separate_functions():
     """numba's disk cache keys compiled code by the Python function and the argument types, not by
     `parallel`: one function compiled both ways would load one variant's code for both."""
-    from hisparse.kernels import index_scores_cpu, swap_in_cpu
+    from hisparse.kernels import decode_attention_cpu, index_scores_cpu, swap_in_cpu
 
     pairs = [(top_k_cpu._top_k_serial, top_k_cpu._top_k_parallel), index_scores_cpu._kernels(64),
              (swap_in_cpu._plan_batch_serial, swap_in_cpu._plan_batch_parallel),
-             (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel)]
+             (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel),
+             (decode_attention_cpu._attend_serial, decode_attention_cpu._attend_parallel)]
     for serial, parallel in pairs:
         assert serial.py_func is not parallel.py_func
         assert not serial.targetoptions.get("parallel") and parallel.targetoptions.get("parallel")

@@ -1,0 +1,70 @@
+"""The compiled decode attention equals gather + SDPA (`layers.attention.decode_attention`) on random pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse.kernels import decode_attention_cpu
+from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
+from hisparse.layers.attention import decode_attention
+from hisparse.memory.rows import gather_rows, split_kv
+
+
+def sdpa(pool, rows, q, scale, num_kv_heads, head_dim):
+    ks, vs = split_kv(gather_rows(pool.float(), rows.clamp(min=0)), num_kv_heads, head_dim)
+    return decode_attention(q.float(), ks, vs, rows >= 0, scale)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 5), length=st.integers(1, 40), num_kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       head_dim=st.sampled_from([4, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       parallel=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_matches_gather_and_sdpa(batch, length, num_kv_heads, group, head_dim, dtype, parallel, seed):
+    """Any batch, row count, heads and -1 padding anywhere (at least one row per request): the same output
+    as SDPA over the gathered rows, computed in float32 from the same (rounded) values."""
+    rng = np.random.default_rng(seed)
+    pool = torch.from_numpy(rng.standard_normal((3 * batch * length + 1, 2 * num_kv_heads * head_dim),
+                                                dtype=np.float32) * 3).to(dtype)
+    rows = torch.from_numpy(rng.integers(0, pool.shape[0], (batch, length)))
+    rows[torch.from_numpy(rng.random((batch, length)) < 0.3)] = -1
+    rows[:, int(rng.integers(length))] = torch.from_numpy(rng.integers(0, pool.shape[0], batch))
+    q = torch.from_numpy(rng.standard_normal((batch, num_kv_heads * group, head_dim), dtype=np.float32)).to(dtype)
+    scale = head_dim ** -0.5
+    saved = decode_attention_cpu.PARALLEL_MIN_ROWS
+    decode_attention_cpu.PARALLEL_MIN_ROWS = 0 if parallel else 1 << 60
+    try:
+        got = sparse_decode_attention(pool, rows, q, scale, num_kv_heads, head_dim)
+    finally:
+        decode_attention_cpu.PARALLEL_MIN_ROWS = saved
+    assert got.dtype == dtype and got.shape == q.shape
+    want = sdpa(pool, rows, q, scale, num_kv_heads, head_dim)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the kernel's one rounding to bfloat16 at the end
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_request_without_rows_gets_zeros_and_the_others_are_unaffected():
+    pool = torch.randn(10, 2 * 2 * 8)
+    rows = torch.tensor([[-1, -1, -1], [3, -1, 7]])
+    q = torch.randn(2, 4, 8)
+    got = sparse_decode_attention(pool, rows, q, 0.5, 2, 8)
+    assert torch.equal(got[0], torch.zeros(4, 8))
+    torch.testing.assert_close(got[1:], sdpa(pool, rows[1:], q[1:], 0.5, 2, 8), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_other_pool_dtypes_are_refused(dtype):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        sparse_decode_attention(torch.zeros(4, 8, dtype=dtype), torch.zeros(1, 2, dtype=torch.int64),
+                                torch.zeros(1, 2, 2), 1.0, 2, 2)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        sparse_decode_attention(torch.zeros(4, 12), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 3, 2),
+                                1.0, 2, 2)
