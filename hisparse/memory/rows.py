@@ -1,4 +1,4 @@
-"""Reading token rows out of a pool: the one way every cache does it."""
+"""Reading token rows out of a pool, and decode attention over them: the one way every cache does it."""
 
 from __future__ import annotations
 
