@@ -36,12 +36,15 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     """[B, Hq, D] in q's dtype: softmax((q . K) * scale) V over the pool rows rows[b, j] >= 0 of each request.
 
     pool [N, 2 * Hkv * D] float32 or bfloat16 (a row is K then V, heads in order, as the caches store
-    them); rows [B, L] int64; q [B, Hq, D] with Hq a multiple of Hkv (query head h reads KV head
-    h // (Hq / Hkv)).
+    them, contiguous); rows [B, L] int64, each -1 or a row of the pool; q [B, Hq, D] with Hq a multiple of
+    Hkv (query head h reads KV head h // (Hq / Hkv)). The compiled loops check no index, so this does.
     """
-    if pool.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the pool must be float32 or bfloat16, got {pool.dtype}")
+    if pool.dtype not in (torch.float32, torch.bfloat16) or pool.dim() != 2 or not pool.is_contiguous():
+        raise ValueError(f"the pool must be a contiguous 2-d float32 or bfloat16 tensor, got {pool.dim()}-d "
+                         f"{pool.dtype}")
     batch, num_heads, dim = q.shape
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[0] != batch:
+        raise ValueError(f"rows must be [{batch}, L] int64 (one row per query), got {tuple(rows.shape)} {rows.dtype}")
     if dim != head_dim or num_heads % num_kv_heads or pool.shape[1] != 2 * num_kv_heads * head_dim:
         raise ValueError(f"q {tuple(q.shape)} and pool rows of {pool.shape[1]} do not fit {num_kv_heads} KV heads "
                          f"of {head_dim}")
@@ -53,6 +56,8 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     queries = q.to(torch.float32).contiguous().numpy().reshape(batch, num_kv_heads, group, head_dim)
     out = np.empty((batch, num_kv_heads, group, head_dim), np.float32)
     index = rows.numpy()
+    if index.size and (index.max() >= pool.shape[0] or index.min() < -1):
+        raise ValueError(f"rows must be -1 or in [0, {pool.shape[0]}), got {index.min()} .. {index.max()}")
     kernel = _attend_parallel if index.size >= PARALLEL_MIN_ROWS else _attend_serial
     kernel(words, raw.numpy(), pool.dtype == torch.bfloat16, index, queries, np.float32(scale), out)
     return torch.from_numpy(out).view(batch, num_heads, head_dim).to(q.dtype)
@@ -134,6 +139,7 @@ def _prefetch_row(flat, row, line):
     if row >= 0:
         for w in range(0, flat.shape[1], line):
             prefetch_to_l2(flat, row, w)
+        prefetch_to_l2(flat, row, flat.shape[1] - 1)  # a row not aligned to the lines ends in one more
 
 
 # Serial and parallel variants are separate functions: numba's disk cache keys compiled code by the Python

@@ -54,7 +54,8 @@ class SwapInCounters:
     """Per-layer hits, misses, evictions, bytes copied host -> device and swap-in seconds.
 
     Hits, misses and evictions add up where the swap-in runs (`totals`, a tensor on the pools' device), so
-    a decode step never waits for a GPU to count them; they are read when the counters are.
+    no layer waits for a GPU to count them; `as_dict` reads them (the server does after every step: one
+    wait per step). The seconds are the host's time in the swap-in call: on a GPU, the time to queue it.
     """
 
     def __init__(self, num_layers: int, row_bytes: int, device: str = "cpu") -> None:
@@ -65,7 +66,9 @@ class SwapInCounters:
         self.prompt_load_bytes = 0  # prompt tails copied into hot buffers after prefill
 
     def as_dict(self) -> dict:
-        hits, misses, evictions = self.totals.cpu().numpy().T
+        counts = torch.cat((self.totals.flatten(), self.fast_path.view(1))).cpu().numpy()  # one device read
+        hits, misses, evictions = counts[:-1].reshape(-1, 3).T
+        fast_path = int(counts[-1])
         bytes_h2d = misses * self.row_bytes
         lookups = int(hits.sum() + misses.sum())
         return {
@@ -75,7 +78,7 @@ class SwapInCounters:
             "bytes_host_to_device": int(bytes_h2d.sum()),
             "swap_in_seconds": float(self.seconds.sum()),
             "hit_rate": (int(hits.sum()) / lookups) if lookups else None,
-            "fast_path_lookups": int(self.fast_path),
+            "fast_path_lookups": fast_path,
             "prompt_load_bytes": self.prompt_load_bytes,
             "per_layer": {"hits": hits.tolist(), "misses": misses.tolist(), "evictions": evictions.tolist(),
                           "bytes_host_to_device": bytes_h2d.tolist(), "swap_in_seconds": self.seconds.tolist()},

@@ -22,17 +22,19 @@ def sdpa(pool, rows, q, scale, num_kv_heads, head_dim):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.integers(1, 5), length=st.integers(1, 40), num_kv_heads=st.integers(1, 3), group=st.integers(1, 3),
        head_dim=st.sampled_from([4, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       parallel=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_matches_gather_and_sdpa(batch, length, num_kv_heads, group, head_dim, dtype, parallel, seed):
-    """Any batch, row count, heads and -1 padding anywhere (at least one row per request): the same output
-    as SDPA over the gathered rows, computed in float32 from the same (rounded) values."""
+       q_dtype=st.sampled_from([torch.float32, torch.bfloat16]), parallel=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_matches_gather_and_sdpa(batch, length, num_kv_heads, group, head_dim, dtype, q_dtype, parallel, seed):
+    """Any batch, row count, heads and -1 padding anywhere (at least one row per request), a cache in the
+    model's dtype or wider: the same output as SDPA over the gathered rows, computed in float32 from the
+    same (rounded) values."""
     rng = np.random.default_rng(seed)
     pool = torch.from_numpy(rng.standard_normal((3 * batch * length + 1, 2 * num_kv_heads * head_dim),
                                                 dtype=np.float32) * 3).to(dtype)
     rows = torch.from_numpy(rng.integers(0, pool.shape[0], (batch, length)))
     rows[torch.from_numpy(rng.random((batch, length)) < 0.3)] = -1
     rows[:, int(rng.integers(length))] = torch.from_numpy(rng.integers(0, pool.shape[0], batch))
-    q = torch.from_numpy(rng.standard_normal((batch, num_kv_heads * group, head_dim), dtype=np.float32)).to(dtype)
+    q = torch.from_numpy(rng.standard_normal((batch, num_kv_heads * group, head_dim), dtype=np.float32)).to(q_dtype)
     scale = head_dim ** -0.5
     saved = decode_attention_cpu.PARALLEL_MIN_ROWS
     decode_attention_cpu.PARALLEL_MIN_ROWS = 0 if parallel else 1 << 60
@@ -40,9 +42,9 @@ def test_matches_gather_and_sdpa(batch, length, num_kv_heads, group, head_dim, d
         got = sparse_decode_attention(pool, rows, q, scale, num_kv_heads, head_dim)
     finally:
         decode_attention_cpu.PARALLEL_MIN_ROWS = saved
-    assert got.dtype == dtype and got.shape == q.shape
+    assert got.dtype == q_dtype and got.shape == q.shape
     want = sdpa(pool, rows, q, scale, num_kv_heads, head_dim)
-    if dtype == torch.float32:
+    if q_dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:  # the kernel's one rounding to bfloat16 at the end
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
@@ -68,3 +70,28 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         sparse_decode_attention(torch.zeros(4, 12), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 3, 2),
                                 1.0, 2, 2)
+
+
+@pytest.mark.parametrize("rows, match", [
+    (torch.zeros(2, 3, dtype=torch.int64), "one row per query"),
+    (torch.zeros(1, 3, dtype=torch.int32), "int64"),
+    (torch.tensor([[0, 4]]), r"in \[0, 4\)"),
+    (torch.tensor([[0, -2]]), r"in \[0, 4\)"),
+])
+def test_rows_that_do_not_fit_are_refused(rows, match):
+    """The compiled loops check no index: rows for another batch or past the pool would read or write
+    memory that is not theirs."""
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_attention(torch.zeros(4, 8), rows, torch.zeros(1, 2, 2), 1.0, 2, 2)
+
+
+def test_attend_rows_falls_back_to_gather_and_sdpa_for_other_pools():
+    """A float16 pool (which the kernel does not read) still gets its attention, through SDPA."""
+    from hisparse.memory.rows import attend_rows
+
+    pool = torch.randn(10, 2 * 2 * 8).half()
+    rows = torch.tensor([[3, -1, 7], [1, 2, -1]])
+    q = torch.randn(2, 4, 8).half()
+    got = attend_rows(pool, rows, q, 0.5, 2, 8)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), sdpa(pool, rows, q, 0.5, 2, 8), rtol=2e-3, atol=2e-3)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hisparse.kernels import swap_in_cpu
@@ -181,10 +181,12 @@ def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps
 
 
 @contextmanager
-def cpu_parallel_always():
-    """The test batches are small; force the cpu path's parallel loops (the default runs them serially)."""
+def cpu_parallel_always(plan: bool = True):
+    """The test batches are small; force the cpu path's parallel loops (the default runs them serially):
+    the copy, and with `plan` the bookkeeping too (else a serial plan hands its copies to a parallel call)."""
     saved = swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES
-    swap_in_cpu.PARALLEL_MIN_SELECTED = swap_in_cpu.PARALLEL_MIN_BYTES = 0
+    swap_in_cpu.PARALLEL_MIN_SELECTED = 0 if plan else 1 << 60
+    swap_in_cpu.PARALLEL_MIN_BYTES = 0
     try:
         yield
     finally:
@@ -193,9 +195,9 @@ def cpu_parallel_always():
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru", "lrfu"])
 @FAST
-@given(case=cases(), parallel=st.booleans())
-def test_cpu_matches_reference(policy, case, parallel):
-    with cpu_parallel_always() if parallel else nullcontext():
+@given(case=cases(), threads=st.sampled_from(["serial", "parallel", "parallel copy"]))
+def test_cpu_matches_reference(policy, case, threads):
+    with nullcontext() if threads == "serial" else cpu_parallel_always(plan=threads == "parallel"):
         assert_same_runs(run(case, policy, "reference"), run(case, policy, "cpu"))
 
 
@@ -439,6 +441,9 @@ def test_empty_batch_is_a_no_op():
 @settings(max_examples=30, deadline=None)
 @given(num_copies=st.integers(0, 3 * swap_in_cpu._COPY_CHUNK + 5), row_bytes=st.sampled_from([6, 7, 64, 656, 768]),
        parallel=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@example(num_copies=swap_in_cpu._COPY_CHUNK, row_bytes=768, parallel=True, seed=1)
+@example(num_copies=2 * swap_in_cpu._COPY_CHUNK, row_bytes=656, parallel=True, seed=2)
+@example(num_copies=swap_in_cpu._PREFETCH_AHEAD, row_bytes=7, parallel=False, seed=3)
 def test_cpu_row_copy_writes_exactly_the_listed_rows(num_copies, row_bytes, parallel, seed):
     """The prefetching copy (short lists, lists of several parallel chunks, rows not a whole number of
     cache lines or words) writes each listed destination row with its source row and nothing else."""
