@@ -19,7 +19,7 @@ import torch
 from numba import njit, prange
 
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.kernels.prefetch import prefetch_to_l2
+from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2
 
 choose_threading_layer()
 
@@ -27,7 +27,6 @@ choose_threading_layer()
 # the parallel loop (two engines stepping in turn); the engine's other short parallel regions lost.
 PARALLEL_MIN_ROWS = 4096
 _FASTMATH = {"reassoc", "contract", "nsz"}  # lets the 64-wide dot products vectorize
-_CACHE_LINE = 64  # bytes
 _PREFETCH_AHEAD = 8  # rows: each row, K and V, is asked for this many rows before its scores
 
 
@@ -52,14 +51,15 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     raw = pool.view(torch.int16) if pool.dtype == torch.bfloat16 else pool
     # Every index below is a loop variable of its own axis: numba then needs no negative-index fix-up, and
     # the 64-wide loops over a head's dims vectorize (with `base + d` into flat rows they did not: 4x slower).
-    words = raw.numpy().reshape(pool.shape[0], 2, num_kv_heads, head_dim)
+    flat = raw.numpy()  # [N, W], what the prefetch reads a row of
+    words = flat.reshape(pool.shape[0], 2, num_kv_heads, head_dim)
     queries = q.to(torch.float32).contiguous().numpy().reshape(batch, num_kv_heads, group, head_dim)
     out = np.empty((batch, num_kv_heads, group, head_dim), np.float32)
     index = rows.numpy()
     if index.size and (index.max() >= pool.shape[0] or index.min() < -1):
         raise ValueError(f"rows must be -1 or in [0, {pool.shape[0]}), got {index.min()} .. {index.max()}")
     kernel = _attend_parallel if index.size >= PARALLEL_MIN_ROWS else _attend_serial
-    kernel(words, raw.numpy(), pool.dtype == torch.bfloat16, index, queries, np.float32(scale), out)
+    kernel(words, flat, pool.dtype == torch.bfloat16, index, queries, np.float32(scale), out)
     return torch.from_numpy(out).view(batch, num_heads, head_dim).to(q.dtype)
 
 
@@ -83,7 +83,7 @@ def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b):
     length = rows.shape[1]
     scores = np.empty((num_kv_heads, group, length), np.float32)
     half = np.empty((num_kv_heads, dim), np.float32)
-    line = max(_CACHE_LINE // flat.itemsize, 1)
+    line = line_step(flat)
     for j in range(min(_PREFETCH_AHEAD, length)):
         _prefetch_row(flat, rows[b, j], line)
     valid = 0
@@ -136,10 +136,8 @@ def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b):
 
 @njit(cache=True)
 def _prefetch_row(flat, row, line):
-    if row >= 0:
-        for w in range(0, flat.shape[1], line):
-            prefetch_to_l2(flat, row, w)
-        prefetch_to_l2(flat, row, flat.shape[1] - 1)  # a row not aligned to the lines ends in one more
+    if row >= 0:  # -1: no row
+        prefetch_row_to_l2(flat, row, line)
 
 
 # Serial and parallel variants are separate functions: numba's disk cache keys compiled code by the Python

@@ -15,10 +15,11 @@ file, delete the kernels' `__pycache__` so that their compiled code picks the ch
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+CACHE_LINE = 64  # bytes
 _READ = 0
 _L2 = 2  # llvm.prefetch locality: 3 keeps the line in every level, 2 from L2 out
 _DATA = 1
@@ -47,3 +48,20 @@ def prefetch_to_l2(typingctx, array, row, col):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(cache=True)
+def line_step(array):
+    """Elements of a 2-D `array` per cache line: the stride of `prefetch_row_to_l2` (work it out once per
+    loop, not per row)."""
+    return max(CACHE_LINE // array.itemsize, 1)
+
+
+@njit(cache=True)
+def prefetch_row_to_l2(array, row, step):
+    """Prefetch every cache line of `array[row]` (a 2-D array; `step` = `line_step(array)`): one per line
+    from the row's start, and its last element, in case the row is not aligned to the lines."""
+    words = array.shape[1]
+    for w in range(0, words, step):
+        prefetch_to_l2(array, row, w)
+    prefetch_to_l2(array, row, words - 1)

@@ -62,8 +62,10 @@ def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru
 
 def bound_swap_in(backend: str, policy: EvictionPolicy, slot_pos: torch.Tensor, lru: torch.Tensor,
                   device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                  device_kv: torch.Tensor) -> BoundSwapIn:
-    """One layer's swap-in with its tables, pools and policy bound; see `BoundSwapIn`.
+                  device_kv: torch.Tensor, totals: torch.Tensor | None = None) -> BoundSwapIn:
+    """One layer's swap-in with its tables, pools, policy and counters bound; see `BoundSwapIn`. `totals`:
+    int64 [3] on the tables' device, where `page_table` adds each step's (hits, misses, evictions) (None: a
+    tensor of its own, for a caller that does not count).
 
     For a caller that builds every argument itself and calls each layer's swap-in every decode step (the
     HiSparse pools): `swap_in`'s per-call checks of types, shapes and devices were a quarter of a call at
@@ -73,8 +75,9 @@ def bound_swap_in(backend: str, policy: EvictionPolicy, slot_pos: torch.Tensor, 
     if name == "cpu":
         from hisparse.kernels.swap_in_cpu import BoundCpuSwapIn
 
-        return BoundCpuSwapIn(slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy)
-    return BoundSwapIn(_implementation(name), policy, slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
+        return BoundCpuSwapIn(slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy, totals)
+    return BoundSwapIn(_implementation(name), policy, slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
+                       totals)
 
 
 class BoundSwapIn:
@@ -82,32 +85,33 @@ class BoundSwapIn:
 
     `self(top_k, rows, next_ranked=None)` is the kernel's contract. `page_table` is the swap-in as a
     decode step uses it: each request's newest position is never swapped in but read from its reserved
-    device row (the forward pass writes it there), and the step's totals are added to the counters'
-    tensor where they are, so that a step never waits for the device. The cpu backend does all of that
+    device row (the forward pass writes it there), and the step's totals are added to the bound counters
+    where they are, so that a step never waits for the device. The cpu backend does all of that
     in one compiled call (`BoundCpuSwapIn`): each torch op around a swap-in runs with the caches the
     layer's weights just flushed, about 10 us apiece.
     """
 
     def __init__(self, implementation: Callable[..., SwapInResult], policy: EvictionPolicy, slot_pos: torch.Tensor,
                  lru: torch.Tensor, device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                 device_kv: torch.Tensor) -> None:
+                 device_kv: torch.Tensor, totals: torch.Tensor | None = None) -> None:
         self.implementation = implementation
         self.policy = policy
         self.tensors = (slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
+        self.totals = torch.zeros(3, dtype=torch.int64, device=slot_pos.device) if totals is None else totals
 
     def __call__(self, top_k: torch.Tensor, rows: torch.Tensor,
                  next_ranked: torch.Tensor | None = None) -> SwapInResult:
         return self.implementation(top_k, rows, *self.tensors, policy=self.policy, next_ranked=next_ranked)
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
-                   totals: torch.Tensor, next_ranked: torch.Tensor | None = None) -> torch.Tensor:
+                   next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """Device rows [B, K] of `selected` [B, K] (-1 padding stays -1): swap-in for every position but
-        `newest` [B], which reads `reserved` [B]. The batch's (hits, misses, evictions) are added to
-        `totals`, int64 [3] on the tables' device: on a GPU, reading them here would wait for the device
-        once per layer."""
+        `newest` [B], which reads `reserved` [B]. The batch's (hits, misses, evictions) are added to the
+        bound `totals` on the tables' device: on a GPU, reading them here would wait for the device once
+        per layer."""
         is_newest = selected == newest.unsqueeze(1)
         result = self(selected.masked_fill(is_newest, -1), rows, next_ranked)
-        totals += torch.stack((result.hits.sum(), result.misses.sum(), result.evictions.sum()))
+        self.totals += torch.stack((result.hits.sum(), result.misses.sum(), result.evictions.sum()))
         return torch.where(is_newest, reserved.unsqueeze(1), result.page_table)
 
 

@@ -36,7 +36,7 @@ import torch
 from numba import njit, prange
 
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.kernels.prefetch import prefetch_to_l2
+from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2
 from hisparse.kernels.swap_in import (
     NEXT_RANKED_OUT_OF_RANGE,
     POSITION_OUT_OF_RANGE,
@@ -66,7 +66,6 @@ _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the
 _NO_AGE = torch.zeros((1, 1), dtype=torch.int32)
 _NO_RANKS = np.empty((0, 0), np.int64)  # next_ranked of a policy that reads none (any batch: M = 0)
 _NOT_A_POSITION = -2  # the "newest position" of a plain swap-in call: matches no selection, not even padding
-_CACHE_LINE = 64  # bytes
 _PREFETCH_AHEAD = 8  # rows; 4 and 16 did as well
 _COPY_CHUNK = 256  # rows per iteration of a parallel copy: many more than threads, so that TBB can balance them
 
@@ -87,7 +86,8 @@ class BoundCpuSwapIn:
     """
 
     def __init__(self, slot_pos: torch.Tensor, lru: torch.Tensor, device_rows: torch.Tensor, host_rows: torch.Tensor,
-                 host_kv: torch.Tensor, device_kv: torch.Tensor, policy: str | EvictionPolicy = "lru") -> None:
+                 host_kv: torch.Tensor, device_kv: torch.Tensor, policy: str | EvictionPolicy = "lru",
+                 totals: torch.Tensor | None = None) -> None:
         policy = resolve_policy(policy)
         if policy.name not in POLICY_CODES:
             raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
@@ -99,6 +99,7 @@ class BoundCpuSwapIn:
                        _NO_AGE.numpy() if policy.kernel_state() is None else policy.kernel_state().numpy())
         self.constants = policy.kernel_constants()  # score_lru's or lrfu's; the other policies ignore them
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
+        self.totals = np.zeros(3, np.int64) if totals is None else totals.numpy()  # page_table adds to it
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
 
     def __call__(self, top_k: torch.Tensor, rows: torch.Tensor,
@@ -110,9 +111,9 @@ class BoundCpuSwapIn:
                             torch.from_numpy(hits))
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
-                   totals: torch.Tensor, next_ranked: torch.Tensor | None = None) -> torch.Tensor:
+                   next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """`BoundSwapIn.page_table` in one compiled call (see the module docstring)."""
-        page_table, _, _, _ = self._run(selected, rows, newest.numpy(), reserved.numpy(), totals.numpy(), next_ranked)
+        page_table, _, _, _ = self._run(selected, rows, newest.numpy(), reserved.numpy(), self.totals, next_ranked)
         return torch.from_numpy(page_table)
 
     def _run(self, top_k: torch.Tensor, rows: torch.Tensor, newest: np.ndarray, reserved: np.ndarray,
@@ -387,18 +388,13 @@ def _plan_start(top_k, rows, newest, slot_pos, host_rows, next_ranked):
 
 
 @njit(cache=True)
-def _add_totals(totals, hits, misses, evictions):
-    totals[0] += hits.sum()
-    totals[1] += misses.sum()
-    totals[2] += evictions.sum()
-
-
-@njit(cache=True)
 def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
                  serial_copy_rows, totals):
     """Add up the totals and list the copies; a batch with few missed rows is copied here, on this thread
     (waking the pool would cost more), and then no rows are left for the caller's parallel copy."""
-    _add_totals(totals, hits, misses, evictions)
+    totals[0] += hits.sum()
+    totals[1] += misses.sum()
+    totals[2] += evictions.sum()
     src, dst = _flatten_misses(miss_src, miss_dst, misses)
     if src.size < serial_copy_rows:
         _copy_rows_serial(host_words, device_words, src, dst)
@@ -427,9 +423,9 @@ def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
                          next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals):
-    """_plan_batch_serial with one request per iteration of a parallel loop, and the copies in a second
-    parallel loop of the same call: waking the thread pool costs about 80 us when it has slept (as it has
-    between two layers' swap-ins), and a separate copy call could find it asleep again."""
+    """_plan_batch_serial with one request per iteration of a parallel loop, and the copies it leaves in a
+    second parallel loop of the same call: waking the thread pool costs about 80 us when it has slept (as
+    it has between two layers' swap-ins), and a separate copy call could find it asleep again."""
     error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
         top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
@@ -437,11 +433,11 @@ def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_ro
             misses[b], evictions[b], hits[b] = _plan_row(
                 b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
                 next_ranked, constants, policy, page_table, miss_src, miss_dst)
-    _add_totals(totals, hits, misses, evictions)
-    src, dst = _flatten_misses(miss_src, miss_dst, misses)
-    n = src.shape[0]
-    for c in prange((n + _COPY_CHUNK - 1) // _COPY_CHUNK):
-        _copy_rows(host_words, device_words, src, dst, c * _COPY_CHUNK, min((c + 1) * _COPY_CHUNK, n))
+    error, detail, page_table, misses, evictions, hits, src, dst = _plan_finish(
+        error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
+        serial_copy_rows, totals)
+    for c in prange((src.shape[0] + _COPY_CHUNK - 1) // _COPY_CHUNK):
+        _copy_chunk(host_words, device_words, src, dst, c)
     return error, detail, page_table, misses, evictions, hits, src[:0], dst[:0]
 
 
@@ -449,12 +445,12 @@ def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_ro
 def _copy_rows(host, device, src, dst, lo, hi):
     """Rows src[lo:hi] -> dst[lo:hi], each prefetched into L2 `_PREFETCH_AHEAD` rows before its copy."""
     words = host.shape[1]
-    line = max(_CACHE_LINE // host.itemsize, 1)
+    line = line_step(host)
     for i in range(lo, min(lo + _PREFETCH_AHEAD, hi)):
-        _prefetch_row(host, src[i], words, line)
+        prefetch_row_to_l2(host, src[i], line)
     for i in range(lo, hi):
         if i + _PREFETCH_AHEAD < hi:
-            _prefetch_row(host, src[i + _PREFETCH_AHEAD], words, line)
+            prefetch_row_to_l2(host, src[i + _PREFETCH_AHEAD], line)
         s = src[i]
         d = dst[i]
         for w in range(words):
@@ -462,10 +458,9 @@ def _copy_rows(host, device, src, dst, lo, hi):
 
 
 @njit(cache=True)
-def _prefetch_row(host, row, words, line):
-    for w in range(0, words, line):
-        prefetch_to_l2(host, row, w)
-    prefetch_to_l2(host, row, words - 1)  # a row not aligned to the lines ends in one more
+def _copy_chunk(host, device, src, dst, c):
+    """Chunk c of a parallel copy: rows c x _COPY_CHUNK up to the next chunk or the end."""
+    _copy_rows(host, device, src, dst, c * _COPY_CHUNK, min((c + 1) * _COPY_CHUNK, src.shape[0]))
 
 
 @njit(cache=True)
@@ -475,6 +470,5 @@ def _copy_rows_serial(host, device, src, dst):
 
 @njit(parallel=True, cache=True)
 def _copy_rows_parallel(host, device, src, dst):
-    n = src.shape[0]
-    for c in prange((n + _COPY_CHUNK - 1) // _COPY_CHUNK):
-        _copy_rows(host, device, src, dst, c * _COPY_CHUNK, min((c + 1) * _COPY_CHUNK, n))
+    for c in prange((src.shape[0] + _COPY_CHUNK - 1) // _COPY_CHUNK):
+        _copy_chunk(host, device, src, dst, c)

@@ -177,10 +177,11 @@ class HiSparsePools:
         # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
         self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
         # Bound once per layer: every argument of a step's swap-in is built here, so the per-call checks are skipped.
-        self.swap_in = [bound_swap_in(swap_in_backend, self.policies[layer], self.slot_pos[layer], self.lru[layer],
-                                      self.device_rows, self.host_rows, self.host_kv[layer], self.device_kv[layer])
-                        for layer in range(num_layers)]
         self.counters = SwapInCounters(num_layers, self.row_bytes, device)
+        self.swap_in = [bound_swap_in(swap_in_backend, self.policies[layer], self.slot_pos[layer], self.lru[layer],
+                                      self.device_rows, self.host_rows, self.host_kv[layer], self.device_kv[layer],
+                                      self.counters.totals[layer])
+                        for layer in range(num_layers)]
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ class HiSparsePools:
                 next_ranked = next_ranked[step.swapping]
             start = time.perf_counter()
             swapped = self.swap_in[layer].page_table(swap_sel, step.swap_rows, step.swap_newest, step.swap_reserved,
-                                                     self.counters.totals[layer], next_ranked)
+                                                     next_ranked)
             self.counters.seconds[layer] += time.perf_counter() - start
             if every:
                 return swapped

@@ -18,15 +18,12 @@ def split_kv(rows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torc
     return k, v
 
 
-# On the CPU, decode attention reads its rows where they lie (`kernels.decode_attention_cpu`); False: gather
-# them and run SDPA (`layers.attention.decode_attention`), as on a GPU.
-COMPILED_DECODE_ATTENTION = True
-
-
 def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float, num_kv_heads: int,
                 head_dim: int) -> torch.Tensor:
-    """Decode attention of q [B, Hq, D], one query per request, over the pool rows rows [B, L] (-1: none)."""
-    if COMPILED_DECODE_ATTENTION and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16):
+    """Decode attention of q [B, Hq, D], one query per request, over the pool rows rows [B, L] (-1: none).
+    On the CPU the rows are read where they lie (`kernels.decode_attention_cpu`); elsewhere, and for pool
+    dtypes the kernel does not read, they are gathered for SDPA (`layers.attention.decode_attention`)."""
+    if pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16):
         from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
 
         return sparse_decode_attention(pool, rows, q, scale, num_kv_heads, head_dim)

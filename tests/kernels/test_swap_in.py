@@ -248,16 +248,16 @@ def with_newest(case: Case, seed: int) -> tuple[list[torch.Tensor], torch.Tensor
 def test_step_page_table_is_the_swap_in_with_the_newest_in_its_reserved_row(backend, policy, case, seed):
     """`page_table` (what a decode step calls; one compiled call on the cpu path) equals the plain swap-in
     of the selection without the newest position, the newest column reading its reserved row, and it adds
-    the plain swap-in's totals over the batch to the counters' tensor it is given (which starts non-zero:
+    the plain swap-in's totals over the batch to the counters' row it was bound to (which starts non-zero:
     they add up, they do not overwrite)."""
     steps, newest, reserved = with_newest(case, seed)
     plain, fused = case.clone(), case.clone()
     plain_policy = get_policy(policy, num_rows=case.num_rows, num_slots=case.num_slots)
     fused_policy = get_policy(policy, num_rows=case.num_rows, num_slots=case.num_slots)
     name = backend.split()[0]
-    bound = bound_swap_in(name, fused_policy, fused.slot_pos, fused.lru, fused.device_rows, fused.host_rows,
-                          fused.host_kv, fused.device_kv)
     counters = torch.tensor([[7, 0, 0], [0, 0, 0]])  # a layer's row; the other must stay as it is
+    bound = bound_swap_in(name, fused_policy, fused.slot_pos, fused.lru, fused.device_rows, fused.host_rows,
+                          fused.host_kv, fused.device_kv, counters[0])
     expected = counters.clone()
     for selected, following in zip(steps, case.next_steps, strict=True):
         is_newest = selected == newest.unsqueeze(1)
@@ -265,7 +265,7 @@ def test_step_page_table_is_the_swap_in_with_the_newest_in_its_reserved_row(back
                       plain.host_rows, plain.host_kv, plain.device_kv, policy=plain_policy, backend="reference",
                       next_ranked=following)
         with cpu_parallel_always() if backend == "cpu parallel" else nullcontext():
-            page_table = bound.page_table(selected, fused.rows, newest, reserved, counters[0], following)
+            page_table = bound.page_table(selected, fused.rows, newest, reserved, following)
         assert torch.equal(page_table, torch.where(is_newest, reserved.unsqueeze(1), res.page_table))
         expected[0] += torch.stack((res.hits.sum(), res.misses.sum(), res.evictions.sum())).long()
         assert torch.equal(counters, expected)
