@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 import torch
@@ -36,12 +38,8 @@ def test_matches_gather_and_sdpa(batch, length, num_kv_heads, group, head_dim, d
     rows[:, int(rng.integers(length))] = torch.from_numpy(rng.integers(0, pool.shape[0], batch))
     q = torch.from_numpy(rng.standard_normal((batch, num_kv_heads * group, head_dim), dtype=np.float32)).to(q_dtype)
     scale = head_dim ** -0.5
-    saved = decode_attention_cpu.PARALLEL_MIN_ROWS
-    decode_attention_cpu.PARALLEL_MIN_ROWS = 0 if parallel else 1 << 60
-    try:
+    with patch.object(decode_attention_cpu, "PARALLEL_MIN_ROWS", 0 if parallel else 1 << 60):
         got = sparse_decode_attention(pool, rows, q, scale, num_kv_heads, head_dim)
-    finally:
-        decode_attention_cpu.PARALLEL_MIN_ROWS = saved
     assert got.dtype == q_dtype and got.shape == q.shape
     want = sdpa(pool, rows, q, scale, num_kv_heads, head_dim)
     if q_dtype == torch.float32:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,12 +33,9 @@ def test_compiled_scores_match_the_reference(seed, batch, width, heads, head_dim
     lengths = torch.randint(1, width + 1, (batch,), generator=g)
     q = torch.randn(batch, heads, head_dim, generator=g)
     w = torch.randn(batch, heads, generator=g).to(weight_dtype)  # negative weights too: ReLU before weighting
-    saved = index_scores_cpu.PARALLEL_MIN_KEYS
-    index_scores_cpu.PARALLEL_MIN_KEYS = 0 if parallel else saved  # the small cases would all run serially
-    try:
+    # The small cases would all run serially.
+    with patch.object(index_scores_cpu, "PARALLEL_MIN_KEYS", 0 if parallel else index_scores_cpu.PARALLEL_MIN_KEYS):
         got = cache._past_scores(1, q, w, slots, lengths)
-    finally:
-        index_scores_cpu.PARALLEL_MIN_KEYS = saved
     want = cache.past_scores_reference(1, q, w, slots, lengths)
     assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == (batch, width)
     finite = torch.isfinite(want)

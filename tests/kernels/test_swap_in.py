@@ -12,6 +12,7 @@ import os
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -184,13 +185,9 @@ def cases(max_batch: int = 6, min_slots: int = 4, max_slots: int = 64, max_steps
 def cpu_parallel_always(plan: bool = True):
     """The test batches are small; force the cpu path's parallel loops (the default runs them serially):
     the copy, and with `plan` the bookkeeping too (else a serial plan hands its copies to a parallel call)."""
-    saved = swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES
-    swap_in_cpu.PARALLEL_MIN_SELECTED = 0 if plan else 1 << 60
-    swap_in_cpu.PARALLEL_MIN_BYTES = 0
-    try:
+    with (patch.object(swap_in_cpu, "PARALLEL_MIN_SELECTED", 0 if plan else 1 << 60),
+          patch.object(swap_in_cpu, "PARALLEL_MIN_BYTES", 0)):
         yield
-    finally:
-        swap_in_cpu.PARALLEL_MIN_SELECTED, swap_in_cpu.PARALLEL_MIN_BYTES = saved
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "clock", "score_lru", "lrfu"])

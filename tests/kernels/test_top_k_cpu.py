@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,12 +28,8 @@ def random_scores(seed: int, batch: int, width: int, ties: bool) -> torch.Tensor
 
 
 def run(scores: torch.Tensor, k: int, parallel: bool) -> torch.Tensor:
-    saved = top_k_cpu.PARALLEL_MIN_SCORES
-    top_k_cpu.PARALLEL_MIN_SCORES = 0 if parallel else saved
-    try:
+    with patch.object(top_k_cpu, "PARALLEL_MIN_SCORES", 0 if parallel else top_k_cpu.PARALLEL_MIN_SCORES):
         return top_k_ascending(scores, k)
-    finally:
-        top_k_cpu.PARALLEL_MIN_SCORES = saved
 
 
 # Rows of scores and a k: (seed, batch, width, k <= width, parallel).
