@@ -25,7 +25,7 @@ exchange argument), so no online policy beats it.
 
 Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
 HiSparse) on the Python-documentation corpus and cached in --trace-dir: `heldout` text for the reported
-numbers, `train` text for choosing `score_lru`'s constants and `lrfu`'s decay (`--split train --tune`). `--synthetic`
+numbers, `train` text for choosing `score_lru`'s constants and `lrfu`'s decay and rank bonus (`--split train --tune`). `--synthetic`
 replays generated traces instead (no model needed; for tests and smoke runs).
 
 Each row also says what share of LRU's excess over the optimum `lrfu` and `score_lru` remove:
@@ -80,11 +80,11 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots, held_state):
 
 @njit(cache=True)
 def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
-                     misses):
+                     rank_bonus, ranks_per_top_k, misses):
     """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
 
     sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
-    nxt: int [T, M] the positions ranked just below them, the best first (score_lru reads them).
+    nxt: int [T, M] the positions ranked just below them, the best first (score_lru and lrfu read them).
     The bookkeeping mirrors EvictionPolicy.plan_row and the policies' `choose` rules exactly.
     """
     steps, width = sel.shape
@@ -99,6 +99,7 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
     pos_slot = np.full(context, -1, np.int64)
     state = np.zeros(num_slots, np.int64)  # clock: referenced bit; score_lru: age; lrfu: value
     age = np.empty(num_slots, np.int64)  # score_lru: this step's ages; lrfu: decayed values
+    credit = np.zeros(num_slots, np.int64)  # lrfu: this step's next-rank credit
     mark = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
     evictable = np.empty(num_slots, np.int64)
     hits = np.empty(num_slots, np.int64)
@@ -163,9 +164,15 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             else:
                 for s in range(num_slots):
                     age[s] = state[s] - (state[s] >> decay_shift)
-            sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest count first
+                    credit[s] = 0
+                span = ranks_per_top_k * unit
+                for j in range(min(nxt.shape[1], span) if rank_bonus > 0 else 0):  # the best rank wins
+                    p = nxt[t, j]
+                    if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0 and credit[pos_slot[p]] == 0:
+                        credit[pos_slot[p]] = rank_bonus * (span - j) // span
+            sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest credited count first
             for i in range(n_ev):  # ties in eviction order
-                keys[i] = sign * age[evictable[i]]
+                keys[i] = sign * age[evictable[i]] + (credit[evictable[i]] if policy == _LRFU else 0)
             ranked = np.argsort(keys[:n_ev], kind="mergesort")
             for v in range(n_miss):
                 victims[v] = evictable[ranked[v]]
@@ -322,7 +329,8 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 
 @njit(parallel=True, cache=True)
-def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift):
+def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
+                     rank_bonus, ranks_per_top_k):
     """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
@@ -330,7 +338,7 @@ def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
         else:
             _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
-                             held_age, hit, decay_shift, out[layer])
+                             held_age, hit, decay_shift, rank_bonus, ranks_per_top_k, out[layer])
     return out
 
 
@@ -341,13 +349,14 @@ def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
 
 def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
              load_steps: int | None = None, next_per_spare: int | None = None,
-             decay_shift: int | None = None) -> np.ndarray:
+             decay_shift: int | None = None, rank_bonus: int | None = None) -> np.ndarray:
     """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
 
     `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_spare` override
     score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_SPARE_SLOT (the engine passes it
     NEXT_RANKS_PER_SPARE_SLOT x (num_slots - top_k) next-ranked positions, so the trace must hold at
-    least that many); `decay_shift` overrides lrfu's DECAY_SHIFT.
+    least that many); `decay_shift` and `rank_bonus` override lrfu's DECAY_SHIFT and RANK_BONUS (it reads
+    RANKS_PER_TOP_K x top_k next-ranked positions).
     """
     if policy != OPTIMUM and policy not in POLICY_CODES:
         raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
@@ -359,18 +368,24 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
     touch = p.TOUCH_AGE_PER_RANK if touch is None else touch
     load_steps = p.LOAD_AGE_STEPS if load_steps is None else load_steps
     per_spare = p.NEXT_RANKS_PER_SPARE_SLOT if next_per_spare is None else next_per_spare
-    num_next = per_spare * max(num_slots - trace.top_k, 0)
-    if code == _SCORE_LRU and num_next:
+    bonus = LRFUPolicy.RANK_BONUS if rank_bonus is None else rank_bonus
+    if code == _SCORE_LRU:
+        num_next = per_spare * max(num_slots - trace.top_k, 0)
+    elif code == _LRFU and bonus and num_slots > trace.top_k:
+        num_next = LRFUPolicy.RANKS_PER_TOP_K * trace.top_k
+    else:
+        num_next = 0
+    if num_next:
         recorded = 0 if trace.next_ranked is None else trace.next_ranked[0].shape[1]
         if recorded < min(num_next, int(seq_lens.max())):  # fewer columns are fine if they rank every position
-            raise ValueError(f"score_lru reads {num_next} next-ranked positions per step but the trace "
+            raise ValueError(f"{policy} reads {num_next} next-ranked positions per step but the trace "
                              f"{trace.request_id or ''} holds {recorded}: record it again")
         nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
     else:
         nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
     shift = LRFUPolicy.DECAY_SHIFT if decay_shift is None else decay_shift
     return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT, p.HELD_AGE,
-                            LRFUPolicy.HIT, shift)
+                            LRFUPolicy.HIT, shift, bonus, LRFUPolicy.RANKS_PER_TOP_K)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
@@ -536,16 +551,17 @@ def tune_score_lru(traces: list[TopkTrace], results: list[Result]) -> dict[tuple
 
 
 LRFU_DECAY_SHIFTS = [3, 4, 5]  # decays of 7/8, 15/16 and 31/32 a step
+LRFU_RANK_BONUSES = [0, 2, 4, 6]  # the first runner-up's credit, in selections (0: no credit)
 
 
-def tune_lrfu(traces: list[TopkTrace], results: list[Result]) -> dict[int, list[float]]:
-    """For every DECAY_SHIFT in LRFU_DECAY_SHIFTS, lrfu's share of LRU's gap closed at each buffer size of
-    `results` that has a gap."""
+def tune_lrfu(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int], list[float]]:
+    """For every (DECAY_SHIFT, RANK_BONUS in selections) of LRFU_DECAY_SHIFTS x LRFU_RANK_BONUSES, lrfu's
+    share of LRU's gap closed at each buffer size of `results` that has a gap."""
     sized = [r for r in results if _has_gap(r)]
-    return {shift: [_share(r, LRFUPolicy.name, misses_per_step_per_layer(traces, r.num_slots, LRFUPolicy.name,
-                                                                         decay_shift=shift))
-                    for r in sized]
-            for shift in LRFU_DECAY_SHIFTS}
+    return {(shift, bonus): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(
+                traces, r.num_slots, LRFUPolicy.name, decay_shift=shift, rank_bonus=bonus * LRFUPolicy.HIT))
+                             for r in sized]
+            for shift in LRFU_DECAY_SHIFTS for bonus in LRFU_RANK_BONUSES}
 
 
 def _has_gap(result: Result) -> bool:
@@ -616,7 +632,8 @@ def main(argv=None) -> None:
                         help="text the traces are recorded on (tune on train, report on heldout)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--tune", action="store_true",
-                        help="also grid-search score_lru's constants and lrfu's decay (needs lru in --policies)")
+                        help="also grid-search score_lru's constants and lrfu's decay and rank bonus "
+                             "(needs lru in --policies)")
     parser.add_argument("--synthetic", action="store_true", help="replay generated traces (no model needed)")
     parser.add_argument("--out", type=Path, default=Path("missrate_results"))
     parser.add_argument("--no-progress", action="store_true")
@@ -643,10 +660,14 @@ def main(argv=None) -> None:
     p = ScoreLRUPolicy
     constants = {p.name: {"touch_age_per_rank": p.TOUCH_AGE_PER_RANK, "load_age_steps": p.LOAD_AGE_STEPS,
                           "next_ranks_per_spare_slot": p.NEXT_RANKS_PER_SPARE_SLOT},
-                 LRFUPolicy.name: {"decay_shift": LRFUPolicy.DECAY_SHIFT}}
+                 LRFUPolicy.name: {"decay_shift": LRFUPolicy.DECAY_SHIFT,
+                                   "rank_bonus_selections": LRFUPolicy.RANK_BONUS / LRFUPolicy.HIT,
+                                   "ranks_per_top_k": LRFUPolicy.RANKS_PER_TOP_K}}
     described = (f"{p.name}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
                  f"{p.NEXT_RANKS_PER_SPARE_SLOT} next ranks per spare slot; "
-                 f"{LRFUPolicy.name}: decay 1 - 2^-{LRFUPolicy.DECAY_SHIFT} a step")
+                 f"{LRFUPolicy.name}: decay 1 - 2^-{LRFUPolicy.DECAY_SHIFT} a step, runners-up credited from "
+                 f"{LRFUPolicy.RANK_BONUS / LRFUPolicy.HIT:g} selections down to 0 at rank "
+                 f"{LRFUPolicy.RANKS_PER_TOP_K} x top_k")
     print(f"\nmisses per step per layer ({title}; {described})\n")
     print(table)
     report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
@@ -668,19 +689,22 @@ def main(argv=None) -> None:
         print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} next ranks per spare slot: "
               f"{np.mean(grid[best]):.1%} on average")
         decays = tune_lrfu(traces, results)
-        best_shift = max(decays, key=lambda shift: float(np.mean(decays[shift])))
+        best_lrfu = max(decays, key=lambda key: float(np.mean(decays[key])))
         print(f"\n{LRFUPolicy.name}'s share of LRU's gap closed\n")
-        print("| decay shift | decay a step | " + " | ".join(sizes) + " | mean |\n|" + "---|" * (3 + len(sizes)))
-        for shift, shares in decays.items():
-            print(f"| {shift} | {1 - 2.0 ** -shift:.4g} | " + " | ".join(f"{x:.0%}" for x in shares)
+        print("| decay shift | decay a step | rank bonus (selections) | " + " | ".join(sizes) + " | mean |\n|"
+              + "---|" * (4 + len(sizes)))
+        for (shift, bonus), shares in decays.items():
+            print(f"| {shift} | {1 - 2.0 ** -shift:.4g} | {bonus} | " + " | ".join(f"{x:.0%}" for x in shares)
                   + f" | {np.mean(shares):.1%} |")
-        print(f"\nbest: decay shift {best_shift}: {np.mean(decays[best_shift]):.1%} on average")
+        print(f"\nbest: decay shift {best_lrfu[0]}, rank bonus {best_lrfu[1]} selections: "
+              f"{np.mean(decays[best_lrfu]):.1%} on average")
         names = ("touch", "load_steps", "next_per_spare")
         report["tune"] = {"sizes": sizes, "best": dict(zip(names, best, strict=True)),
                           "grid": [{"touch": t, "load_steps": x, "next_per_spare": n, "gap_closed": v}
                                    for (t, x, n), v in grid.items()],
-                          LRFUPolicy.name: {"best_decay_shift": best_shift,
-                                            "grid": [{"decay_shift": k, "gap_closed": v} for k, v in decays.items()]}}
+                          LRFUPolicy.name: {"best_decay_shift": best_lrfu[0], "best_rank_bonus": best_lrfu[1],
+                                            "grid": [{"decay_shift": k, "rank_bonus": n, "gap_closed": v}
+                                                     for (k, n), v in decays.items()]}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {described})\n\n{table}\n")

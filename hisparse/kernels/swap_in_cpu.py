@@ -208,15 +208,17 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
             n_evictable += 1
 
     # score_lru: age every slot a step, let next-ranked positions look younger, take the oldest evictables.
-    # lrfu: decay every count a step, take the lowest evictables. Both keep the new value in new_age.
+    # lrfu: decay every count a step, credit next-ranked positions, take the lowest keys. Both keep the new
+    # value in new_age (lrfu's credit is in its sort keys only).
     victims = evictable
-    c0, c1, limit = constants  # score_lru: (touch, load steps, age limit); lrfu: (hit, decay shift, 0)
+    c0, c1, c2, c3 = constants  # score_lru: (touch, load steps, age limit, 0); lrfu: (hit, shift, bonus, span/K)
     unit = max(width, 1)  # score_lru's ages count in 1/width of a step
     spare = max(num_slots - width, 0)
     sorts = policy == _SCORE_LRU or policy == _LRFU
     new_age = np.empty(num_slots if sorts else 0, np.int64)
+    credit = np.zeros(num_slots if policy == _LRFU else 0, np.int64)
     if policy == _SCORE_LRU:
-        touch = c0
+        touch, limit = c0, c2
         for s in range(num_slots):
             new_age[s] = min(np.int64(age[r, s]) + unit, limit)
         if next_ranked.shape[1] > 0:
@@ -228,14 +230,23 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
                     if j >= 0:
                         new_age[s] = min(new_age[s], np.int64(touch) * (j + 1) * spare // unit)
     elif policy == _LRFU:
-        decay_shift = c1
+        decay_shift, bonus, span = c1, np.int64(c2), np.int64(c3) * unit
         for s in range(num_slots):
             new_age[s] = age[r, s] - (age[r, s] >> decay_shift)
+        if next_ranked.shape[1] > 0 and bonus > 0:
+            rank_keys, rank_cols = _hash_set(next_ranked, b, _NOT_A_POSITION)
+            for s in range(num_slots):
+                p = slot_pos[r, s]
+                if p >= 0 and pinned[s] == 0:
+                    j = _slot_of(rank_keys, rank_cols, p)
+                    if 0 <= j < span:
+                        credit[s] = bonus * (span - j) // span
     if sorts:  # victims by ascending key, ties in eviction order (a stable sort)
-        sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest count first
         sort_keys = np.empty(n_evictable, np.int64)
         for i in range(n_evictable):
-            sort_keys[i] = sign * new_age[evictable[i]]
+            s = evictable[i]
+            # score_lru: oldest first; lrfu: lowest credited count first
+            sort_keys[i] = -new_age[s] if policy == _SCORE_LRU else new_age[s] + credit[s]
         victims = evictable[:n_evictable][np.argsort(sort_keys, kind="mergesort")]
 
     # The i-th miss (column order) takes the policy's i-th victim.
@@ -295,7 +306,7 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
             lru[r, k] = hits[i]
             k += 1
         if policy == _SCORE_LRU:  # ... stably sorted by descending new age
-            load_steps = c1
+            load_steps, limit = c1, c2
             for i in range(n_miss):
                 new_age[victims[i]] = min(load_steps * unit, limit)
             for i in range(n_hits):

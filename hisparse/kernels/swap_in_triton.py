@@ -14,8 +14,8 @@ the cpu or the reference backend). score_lru's two stable sorts by age (victims 
 the new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 | index`: the index makes
 every key distinct, so the sort is stable and its low bits say where each entry came from. Its next-ranked
 positions are found with the same sparse set as the selected ones; a position listed twice keeps its best
-rank (`atomic_min`). lrfu's victims are one such sort, by decayed value (`value << 20 | index`), and its
-new order is LRU's. On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
+rank (`atomic_min`). lrfu's victims are one such sort, by decayed value plus its next-rank credit
+(`key << 20 | index`, the ranks found the same way), and its new order is LRU's. On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     if sorts and num_slots >= _INDEX_LIMIT:
         raise ValueError(f"the triton {policy.name} swap-in packs slot indices in 20 bits; "
                          f"{num_slots} slots is too many")
-    if next_ranked is None or not score_lru:
+    if next_ranked is None or not sorts:
         next_ranked = torch.empty((batch, 0), dtype=torch.int64, device=device)
     num_next = next_ranked.shape[1]
     state = policy.kernel_state()
@@ -66,9 +66,9 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     by_rank = torch.empty((batch, block_s), dtype=torch.int32, device=device)
     miss_src = torch.empty((batch, block_k), dtype=torch.int64, device=device)
     miss_dst = torch.empty((batch, block_k), dtype=torch.int64, device=device)
-    # score_lru's scratch: each slot's best next rank, its aged age (lrfu: decayed value), and each
-    # entry's place after a sort
-    touch = torch.empty((batch, block_s) if score_lru else (1, 1), dtype=torch.int32, device=device)
+    # score_lru's and lrfu's scratch: each slot's best next rank, its aged age (lrfu: decayed value), and
+    # each entry's place after a sort
+    touch = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     aged = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     placed = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     _swap_in_kernel[(batch,)](
@@ -101,16 +101,19 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
                     host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr, hits_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
                     next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
-                    K, S, C, WORDS, M, CONST0, CONST1, CONST2,
+                    K, S, C, WORDS, M, CONST0, CONST1, CONST2, CONST3,
                     FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, SORTS: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
-    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT), lrfu's
-    # (HIT, DECAY_SHIFT, 0). `age_ptr` is its kernel_state: score_lru's ages, lrfu's counts.
+    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0), lrfu's
+    # (HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K). `age_ptr` is its kernel_state: score_lru's ages,
+    # lrfu's counts.
     touch_age_per_rank = CONST0
     load_age_steps = CONST1
     age_limit = CONST2
     hit = CONST0
     decay_shift = CONST1
+    rank_bonus = CONST2
+    ranks_per_top_k = CONST3
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b)
     slots = tl.arange(0, BLOCK_S)
@@ -144,8 +147,8 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     hit_rank = tl.cumsum(hit_i, 0) - hit_i
     n_ev = tl.sum(ev_i, 0)
     big = tl.full([BLOCK_S], 9223372036854775807, dtype=tl.int64)
-    if SCORE_LRU:
-        # Age every slot a step; a next-ranked position looks as young as its rank says.
+    if SORTS:
+        # Each slot's best next rank (1 for the first runner-up; int32 max: not ranked).
         tl.store(touch_ptr + b * BLOCK_S + slots, tl.full([BLOCK_S], 2147483647, dtype=tl.int32))
         tl.debug_barrier()
         ncols = tl.arange(0, BLOCK_M)
@@ -157,6 +160,8 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         n_ok = n_ok & (n_pos == nxt)
         tl.atomic_min(touch_ptr + b * BLOCK_S + n_cand, (ncols + 1).to(tl.int32), mask=n_ok)
         tl.debug_barrier()
+    if SCORE_LRU:
+        # Age every slot a step; a next-ranked position looks as young as its rank says.
         unit = tl.maximum(K, 1)  # ages count in 1/K of a step
         spare = tl.maximum(S - K, 0)
         old_age = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
@@ -169,12 +174,18 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         state_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
         sort_key = (age_limit - state_o) << 20  # the oldest first
     elif LRFU:
-        # Decay every count a step.
+        # Decay every count a step; the sort key credits a next-ranked position by its rank.
         old_value = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
         tl.store(aged_ptr + b * BLOCK_S + slots, old_value - (old_value >> decay_shift), mask=in_s)
+        span = ranks_per_top_k.to(tl.int64) * tl.maximum(K, 1)
+        rank_s = tl.load(touch_ptr + b * BLOCK_S + slots).to(tl.int64)
+        credit = tl.where(rank_s <= span, rank_bonus.to(tl.int64) * (span - (rank_s - 1)) // span, 0)
+        tl.store(placed_ptr + b * BLOCK_S + slots, credit.to(tl.int32), mask=in_s)  # placed: free until the sort
         tl.debug_barrier()
         state_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
-        sort_key = state_o << 20  # the lowest count first
+        credit_o = tl.load(placed_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)
+        tl.debug_barrier()  # every lane has read its credit before the sort reuses `placed`
+        sort_key = (state_o + credit_o) << 20  # the lowest credited count first
     if SORTS:
         # Evictables by key, ties in order: one sort of keys that carry the order index.
         key = tl.sort(tl.where(ev_i != 0, sort_key | slots.to(tl.int64), big), 0)

@@ -16,8 +16,8 @@ reference bits) owns that state as tensors in `policy.state`, so a stateful poli
 one layer, exactly like that layer's `slot_pos` and `lru`.
 
 A swap-in may also pass `next_ranked`: the positions the indexer ranked just below the top-k this step,
-the best first. They are not loaded; a policy that reads them (`score_lru`, `num_next_ranks` > 0) uses
-them as evidence of what the next steps will select. The others ignore them. A policy may also keep
+the best first. They are not loaded; a policy that reads them (`num_next_ranks` > 0: `score_lru`, `lrfu`)
+uses them as evidence of what the next steps will select. The others ignore them. A policy may also keep
 a history of its own per slot (`lrfu`'s decayed selection counts).
 
 `EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in and
@@ -79,10 +79,10 @@ class EvictionPolicy(ABC):
         lrfu's counts); None for a policy with none (clock's bits are the cpu kernel's own case)."""
         return None
 
-    def kernel_constants(self) -> tuple[int, int, int]:
-        """The three integers the cpu and Triton kernels read for this policy (what each means is the
+    def kernel_constants(self) -> tuple[int, int, int, int]:
+        """The four integers the cpu and Triton kernels read for this policy (what each means is the
         policy's own: see its override)."""
-        return (0, 0, 0)
+        return (0, 0, 0, 0)
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Forget a row's history, for a new request or a rebuilt buffer whose slots 0..num_held-1 hold
@@ -251,9 +251,9 @@ class ScoreLRUPolicy(EvictionPolicy):
     def kernel_state(self) -> torch.Tensor:
         return self.state["age"]
 
-    def kernel_constants(self) -> tuple[int, int, int]:
-        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT)."""
-        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT
+    def kernel_constants(self) -> tuple[int, int, int, int]:
+        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0)."""
+        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT, 0
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Held slots start at `HELD_AGE`: the prompt tail a reset loads was never selected, so any slot
@@ -285,25 +285,36 @@ class ScoreLRUPolicy(EvictionPolicy):
 
 class LRFUPolicy(EvictionPolicy):
     """Least recently / frequently used: evict the slot whose position the indexer has selected least,
-    counting recent selections more (LRFU, Lee et al. 1999, kept per slot).
+    counting recent selections more (LRFU, Lee et al. 1999, kept per slot), and crediting this step's
+    runners-up.
 
     Why: the selections of a sparse-attention layer mix tokens it keeps coming back to (a heading, a
     name, an instruction) with tokens it reads once while they are relevant. LRU keeps a once-read token
-    as long as one read at every step until then; a decayed count of selections tells them apart. On
-    held-out traces of the default model it removes 29% of LRU's excess misses over Belady's optimum at
-    2x top_k and 44% at 3x (score_lru: 21% and 18%), and it needs no runners-up from the indexer.
+    as long as one read at every step until then; a decayed count of selections tells them apart. A
+    token the indexer ranks just below the top-k now is the likeliest of the unselected to be selected in
+    the next steps (on the default model's traces, 60% of those ranked 1-32 below are selected within 8
+    steps, 2% of the unranked), which no history of selections knows yet.
 
     State: `value[R, S]` int32, in units of 1/`HIT` selections. Every step every value decays by
     1/2**`DECAY_SHIFT` (rounded down: `v - (v >> DECAY_SHIFT)`, 31/32 a step, a half-life of about 22
     steps; a value below 2**DECAY_SHIFT no longer decays, a floor far below one selection); then a hit
     adds `HIT` and a loaded slot starts at `HIT` (it was selected this step), so values stay below
-    2**`DECAY_SHIFT` x `HIT` = 2**21. Victims: the evictable slots of lowest decayed
-    value, ties in eviction order; the new order is LRU's (untouched evictables, loaded, hits), so among
-    equal values the least recently used goes first. A reset puts every value at 0 (held tokens were
-    never selected; empty slots sit first in the order, so they are filled first). The decay was chosen
-    on train-split traces among 7/8, 15/16 and 31/32 a step (`python -m hisparse.bench_missrate --split
-    train --tune`: 17%, 25% and 27% of the gap closed on average over the buffer sizes; 25%, 37% and 38%
-    at 2x); the README has the held-out figures.
+    2**`DECAY_SHIFT` x `HIT` = 2**21. Victims: the evictable slots of lowest key, ties in eviction order,
+    where the key is the decayed value plus, for a slot whose position is the j-th (0-based) of
+    `next_ranked` (the best rank of a position listed twice), the credit
+    `RANK_BONUS x (span - j) // span` with span = `RANKS_PER_TOP_K` x width: `RANK_BONUS` = 4 selections
+    for the first runner-up, falling linearly to 0 at rank 2 x top_k. The credit is this step's only; it
+    is not added to the state. The policy asks for span runners-up (`num_next_ranks`); passed none (the DSA
+    models' cache passes none yet) it is plain LRFU. The new order is LRU's (untouched evictables, loaded,
+    hits), so among equal keys the least recently used goes first. A reset puts every value at 0 (held
+    tokens were never selected; empty slots sit first in the order, so they are filled first).
+
+    Tuning (`python -m hisparse.bench_missrate --split train --tune`, train-split traces): the decay among
+    7/8, 15/16 and 31/32 a step and `RANK_BONUS` among 2-6 selections (a span of 2 x top_k did as well as
+    one growing with the buffer's spare room; an exponential fall-off, a credit for positions near the
+    newest token, or one for how recently a slot was selected or loaded gained under 1 point more). On
+    held-out traces at 2x top_k it removes 39% of LRU's excess misses over Belady's optimum (without the
+    runners-up 29%; score_lru 21%); the README has the figures.
     """
 
     name = "lrfu"
@@ -311,27 +322,47 @@ class LRFUPolicy(EvictionPolicy):
     state_dtype = torch.int32
     HIT: ClassVar[int] = 1 << 16
     DECAY_SHIFT: ClassVar[int] = 5
+    RANK_BONUS: ClassVar[int] = 4 << 16  # the first runner-up's credit: 4 selections (4 x HIT)
+    RANKS_PER_TOP_K: ClassVar[int] = 2  # runners-up read (and credited) per top_k column
+
+    def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(num_rows, num_slots, device)
+        self.num_slots = num_slots
+
+    def num_next_ranks(self, top_k: int) -> int:
+        """`RANKS_PER_TOP_K` x top_k runners-up, none for a buffer with no slot to spare (nothing to choose)."""
+        return self.RANKS_PER_TOP_K * top_k if self.num_slots > top_k and self.RANK_BONUS else 0
 
     def constants(self) -> tuple[int, int]:
         """(HIT, DECAY_SHIFT), checked: a slot hit every step tends to HIT x 2**DECAY_SHIFT, which the
-        int32 state must hold (the kernels would wrap around silently)."""
+        int32 state must hold (the kernels would wrap around silently); the key adds at most RANK_BONUS."""
         if self.HIT < 1 or self.DECAY_SHIFT < 1 or (self.HIT + 1) << self.DECAY_SHIFT >= 1 << 31:
             raise ValueError(f"lrfu's HIT ({self.HIT}) and DECAY_SHIFT ({self.DECAY_SHIFT}) must be >= 1 with "
                              f"(HIT + 1) << DECAY_SHIFT below 2**31")
+        if not 0 <= self.RANK_BONUS < 1 << 30 or self.RANKS_PER_TOP_K < 1:
+            raise ValueError(f"lrfu's RANK_BONUS ({self.RANK_BONUS}) must be in [0, 2**30) and its "
+                             f"RANKS_PER_TOP_K ({self.RANKS_PER_TOP_K}) >= 1")
         return self.HIT, self.DECAY_SHIFT
 
     def kernel_state(self) -> torch.Tensor:
         return self.state["value"]
 
-    def kernel_constants(self) -> tuple[int, int, int]:
-        """(HIT, DECAY_SHIFT, 0), checked by `constants`."""
-        return (*self.constants(), 0)
+    def kernel_constants(self) -> tuple[int, int, int, int]:
+        """(HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K), checked by `constants`."""
+        return (*self.constants(), self.RANK_BONUS, self.RANKS_PER_TOP_K)
+
+    def rank_credit(self, rank: int, width: int) -> int:
+        """The key credit of a slot whose position is ranked `rank` (1 for the best) below the top-k."""
+        span = self.RANKS_PER_TOP_K * max(width, 1)
+        return self.RANK_BONUS * max(span - (rank - 1), 0) // span if rank > 0 else 0
 
     def choose(self, order, is_hit, num_misses, state, next_rank, width):
         hit, shift = self.constants()
         value = [v - (v >> shift) for v in state["value"]]
+        key = [v + self.rank_credit(rank, width) for v, rank in zip(value, next_rank, strict=True)]
         evictable = [s for s in order if not is_hit[s]]
-        victims = sorted(evictable, key=lambda s: value[s])[:num_misses]  # stable: ties in order
+        victims = sorted(evictable, key=lambda s: key[s])[:num_misses]  # stable: ties in order
         taken = set(victims)
         new_order = [s for s in evictable if s not in taken] + victims + [s for s in order if is_hit[s]]
         for s, selected in enumerate(is_hit):

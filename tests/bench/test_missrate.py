@@ -27,7 +27,8 @@ from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_r
 
 # simulate()'s names for score_lru's and lrfu's constants -> the policy's attributes
 POLICY_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
-                 "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT"}
+                 "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT",
+                 "rank_bonus": "RANK_BONUS"}
 SCORE_LRU = "score_lru"
 
 
@@ -126,12 +127,14 @@ def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
                                       simulate(trace, num_slots, "lru"))
 
 
-@pytest.mark.parametrize("decay_shift", [1, 3, 6])
-def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift):
+@pytest.mark.parametrize(("decay_shift", "rank_bonus"), [(1, 0), (3, 1 << 16), (5, 4 << 16), (6, 9 << 16)])
+def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift, rank_bonus):
+    """Decays and rank credits (0: plain LRFU; the trace lists 4 x top_k runners-up, the policy reads 2 x)."""
     trace = random_trace(11, num_layers=2, start=30, steps=25, top_k=12, keep=0.7)
     for num_slots in (14, 24):
-        np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", decay_shift=decay_shift),
-                                      engine_replay(trace, num_slots, "lrfu", decay_shift=decay_shift))
+        params = dict(decay_shift=decay_shift, rank_bonus=rank_bonus)
+        np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", **params),
+                                      engine_replay(trace, num_slots, "lrfu", **params))
 
 
 def test_score_lru_beats_lru_on_the_synthetic_traces():
@@ -204,5 +207,6 @@ def test_tune_grids_score_lru_constants_on_synthetic_traces(tmp_path, capsys):
     tune = json.loads((tmp_path / "missrate.json").read_text())["tune"]
     assert tune["sizes"] == ["1x", "2x"] and len(tune["grid"]) == 4 * 4 * 2
     assert all(len(cell["gap_closed"]) == 2 for cell in tune["grid"])
-    assert [cell["decay_shift"] for cell in tune["lrfu"]["grid"]] == [3, 4, 5]
+    assert [(cell["decay_shift"], cell["rank_bonus"]) for cell in tune["lrfu"]["grid"]] == [
+        (shift, bonus) for shift in (3, 4, 5) for bonus in (0, 2, 4, 6)]
     assert all(len(cell["gap_closed"]) == 2 for cell in tune["lrfu"]["grid"])

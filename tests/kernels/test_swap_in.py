@@ -369,6 +369,25 @@ def _call(top_k, **overrides):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize(("rank", "victim"), [(1, 1), (2, 1), (3, 0)])
+def test_lrfu_credits_runners_up_down_to_rank_two_top_k_on_every_backend(backend, rank, victim):
+    """Top-k width 1, so lrfu credits ranks 1 and 2 (RANK_BONUS and half of it) and not rank 3. Slot 0
+    (position 10) is first in the order and ties slot 1 (11) in value: credited, it is kept and slot 1
+    goes; past rank 2 it goes."""
+    slot_pos = torch.tensor([[10, 11, 12]], dtype=torch.int32)
+    lru = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    policy = get_policy("lrfu", num_rows=1, num_slots=3)
+    hit = policy.HIT
+    policy.state["value"][0] = torch.tensor([hit, hit, 3 * hit], dtype=torch.int32)
+    following = torch.tensor([[5, 6][:rank - 1] + [10]])  # 10 at `rank`, after positions not held
+    res = swap_in(torch.tensor([[20]]), torch.tensor([0]), slot_pos, lru, torch.arange(3).view(1, -1),
+                  torch.arange(30).view(1, -1), torch.randn(30, 4), torch.zeros(3, 4), policy=policy,
+                  backend=backend, next_ranked=following)
+    assert res.page_table.tolist() == [[victim]] and slot_pos[0, victim] == 20
+    assert policy.state["value"][0, 1 - victim] == hit - (hit >> policy.DECAY_SHIFT)  # the credit is not kept
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_more_selected_positions_than_slots_is_an_error(backend):
     with pytest.raises(ValueError, match="4 slots"):
         _call(torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1]]), backend=backend)

@@ -158,6 +158,25 @@ def test_lrfu_small_counts_stop_decaying_and_ties_go_in_lru_order():
     assert plan.victims == [0]  # slots 0 and 1 tie at 0: the older in order goes
 
 
+def test_lrfu_credits_a_runner_up_for_this_step_only_by_its_rank():
+    # Width 1: the credit falls from RANK_BONUS at rank 1 to RANK_BONUS / 2 at rank 2 and 0 past rank 2.
+    policy = LRFUPolicy(num_rows=1, num_slots=3)
+    bonus, hit = LRFUPolicy.RANK_BONUS, LRFUPolicy.HIT
+    assert [policy.rank_credit(rank, 1) for rank in (0, 1, 2, 3)] == [0, bonus, bonus // 2, 0]
+    value = [hit, hit, 2 * hit]
+    # Without ranks slot 0 goes (lowest value, first in order); ranked first, 10 is kept and 11 goes.
+    assert policy.plan_row([20], [10, 11, 12], [0, 1, 2], {"value": value}).victims == [0]
+    plan = policy.plan_row([20], [10, 11, 12], [0, 1, 2], {"value": value}, next_ranked=[10])
+    assert plan.victims == [1]
+    assert plan.state["value"] == [hit - (hit >> 5), hit, 2 * hit - (2 * hit >> 5)]  # no credit in the state
+    # A position listed twice keeps its best rank; a selected position's rank changes nothing.
+    plan = policy.plan_row([20, 12], [10, 11, 12], [0, 1, 2], {"value": value}, next_ranked=[12, 11, 11])
+    assert plan.victims == [0]
+    # 4 selections of credit outweigh 3 of history: the runner-up stays, the often selected token goes.
+    plan = policy.plan_row([20], [10, 11, 12], [0, 1, 2], {"value": [3 * hit, 4 * hit, 5 * hit]}, next_ranked=[10])
+    assert plan.victims == [1]
+
+
 def test_lrfu_refuses_constants_its_int32_state_cannot_hold():
     policy = LRFUPolicy(num_rows=1, num_slots=2)
     assert policy.constants() == (LRFUPolicy.HIT, LRFUPolicy.DECAY_SHIFT)
@@ -191,7 +210,8 @@ def test_plan_rejects_duplicate_selection():
 
 def test_registry_names_and_unknown_policy():
     assert set(EVICTION_POLICIES) == {"lru", "fifo", "clock", "score_lru", "lrfu"}
-    assert get_policy("lrfu", num_rows=1, num_slots=512).num_next_ranks(256) == 0
+    assert get_policy("lrfu", num_rows=1, num_slots=512).num_next_ranks(256) == 2 * 256
+    assert get_policy("lrfu", num_rows=1, num_slots=256).num_next_ranks(256) == 0
     assert get_policy("score_lru", num_rows=1, num_slots=512).num_next_ranks(256) == 2 * (512 - 256)
     assert get_policy("score_lru", num_rows=1, num_slots=256).num_next_ranks(256) == 0
     assert get_policy("lru").num_next_ranks(256) == 0
