@@ -25,8 +25,8 @@ exchange argument), so no online policy beats it.
 
 Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
 HiSparse) on the Python-documentation corpus and cached in --trace-dir: `heldout` text for the reported
-numbers, `train` text for choosing `score_lru`'s constants and `lrfu`'s decay and rank bonus (`--split train --tune`). `--synthetic`
-replays generated traces instead (no model needed; for tests and smoke runs).
+numbers, `train` text for choosing `score_lru`'s constants and `lrfu`'s decay and rank bonus (`--split train
+--tune`). `--synthetic` replays generated traces instead (no model needed; for tests and smoke runs).
 
 Each row also says what share of LRU's excess over the optimum `lrfu` and `score_lru` remove:
 (lru - policy) / (lru - optimum).

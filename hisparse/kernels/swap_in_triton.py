@@ -15,7 +15,8 @@ the new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 
 every key distinct, so the sort is stable and its low bits say where each entry came from. Its next-ranked
 positions are found with the same sparse set as the selected ones; a position listed twice keeps its best
 rank (`atomic_min`). lrfu's victims are one such sort, by decayed value plus its next-rank credit
-(`key << 20 | index`, the ranks found the same way), and its new order is LRU's. On CUDA, `host_kv` may be pinned host memory: the loads read it directly.
+(`key << 20 | index`, the ranks found the same way), and its new order is LRU's. On CUDA, `host_kv` may be
+pinned host memory: the loads read it directly.
 """
 
 from __future__ import annotations
