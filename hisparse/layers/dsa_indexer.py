@@ -151,3 +151,23 @@ def select_topk(scores: torch.Tensor, query_positions: torch.Tensor, top_k: int)
     masked = scores.masked_fill(future, float("-inf"))
     values, idx = masked.topk(k, dim=-1)
     return idx.masked_fill(values == float("-inf"), -1)
+
+
+def select_runners_up(scores: torch.Tensor, query_positions: torch.Tensor, selection: torch.Tensor,
+                      num_next: int) -> torch.Tensor:
+    """The `num_next` past positions ranked just below `selection` (what `select_topk` returned for the
+    same scores), best first: int64 [T, num_next], -1 padded. They are not attended; an eviction policy
+    of a memory hierarchy reads them as the likeliest next selections (`EvictionPolicy.num_next_ranks`)."""
+    s = scores.shape[-1]
+    out = torch.full((scores.shape[0], num_next), -1, dtype=torch.int64, device=scores.device)
+    n = min(num_next, s)
+    if n == 0:
+        return out
+    future = torch.arange(s, device=scores.device)[None, :] > query_positions[:, None]
+    rest = scores.masked_fill(future, float("-inf"))
+    # Padding (-1) masks position 0, which is then selected anyway: a row is padded only when it selects
+    # every past position, and then has no runners-up.
+    rest = rest.scatter(1, selection.clamp(min=0), float("-inf"))
+    values, ranked = rest.topk(n, dim=-1, sorted=True)
+    out[:, :n] = ranked.masked_fill(values == float("-inf"), -1)
+    return out

@@ -221,8 +221,7 @@ class ScoreLRUPolicy(EvictionPolicy):
     `reset_row`, so they go first). The new order is LRU's new order (untouched evictables, loaded, hits)
     stably sorted by descending new age, so `lru` stays the eviction order; with no ranks passed and
     `LOAD_AGE_STEPS` 0 the policy is exactly LRU. Without ranks but with the default ages it misses 0-4%
-    less than LRU on the train traces: that is what the DSA models' HiSparse cache, which passes no
-    ranks yet, gets.
+    less than LRU on the train traces.
 
     The constants were chosen on train-split traces (`python -m hisparse.bench_missrate --split train
     --tune`) and the policy evaluated on held-out ones; the README has the figures. Knowing the next
@@ -304,10 +303,11 @@ class LRFUPolicy(EvictionPolicy):
     `next_ranked` (the best rank of a position listed twice), the credit
     `RANK_BONUS x (span - j) // span` with span = `RANKS_PER_TOP_K` x width: `RANK_BONUS` = 4 selections
     for the first runner-up, falling linearly to 0 at rank 2 x top_k. The credit is this step's only; it
-    is not added to the state. The policy asks for span runners-up (`num_next_ranks`); passed none (the DSA
-    models' cache passes none yet) it is plain LRFU. The new order is LRU's (untouched evictables, loaded,
-    hits), so among equal keys the least recently used goes first. A reset puts every value at 0 (held
-    tokens were never selected; empty slots sit first in the order, so they are filled first).
+    is not added to the state. The policy asks for span runners-up (`num_next_ranks`: both the default
+    model's and the DSA models' caches pass them); passed none it is plain LRFU. The new order is LRU's
+    (untouched evictables, loaded, hits), so among equal keys the least recently used goes first. A reset
+    puts every value at 0 (held tokens were never selected; empty slots sit first in the order, so they
+    are filled first).
 
     Tuning (`python -m hisparse.bench_missrate --split train --tune`, train-split traces): the decay among
     7/8, 15/16 and 31/32 a step and `RANK_BONUS` among 2-6 selections (a span of 2 x top_k did as well as

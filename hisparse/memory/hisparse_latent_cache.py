@@ -120,12 +120,18 @@ class HiSparseLatentSequence:
         if index_k is not None:
             self.cache.index_cache.write(layer, self.index_slots[positions], index_k)
 
-    def locate(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """Prefill: host rows of `positions`. Decode: device rows of the selection [1, K], swapped in."""
+    @property
+    def num_next_ranks(self) -> int:
+        """Runners-up the eviction policy reads, wanted with a decode step's selection when it swaps in."""
+        return self.cache.num_next_ranks if self.step is not None and self.step.has_swapping else 0
+
+    def locate(self, layer: int, positions: torch.Tensor, runners_up: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill: host rows of `positions`. Decode: device rows of the selection [1, K], swapped in;
+        `runners_up` [1, M] go to the eviction policy (`num_next_ranks`)."""
         if self.step is None:
             return torch.where(positions >= 0, self.host_rows[positions.clamp_min(0).cpu()].to(positions.device),
                                positions)
-        return self.cache.page_table(layer, self.step, positions)
+        return self.cache.page_table(layer, self.step, positions, runners_up)
 
     def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """float32 latent rows of what `locate` returned (-1 reads row 0; the caller masks it)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_scores, select_topk
+from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_scores, select_runners_up, select_topk
 from hisparse.layers.mla import (
     LatentFormat,
     MultiHeadLatentAttention,
@@ -192,6 +192,8 @@ class LatentCache:
     (`hisparse.memory.hisparse_latent_cache.HiSparseLatentSequence` has this interface over HiSparse).
     """
 
+    num_next_ranks = 0  # runners-up `locate` wants with a decode step's selection (a hierarchy's policy may)
+
     def __init__(self, num_layers: int, capacity: int, latent_format: LatentFormat,
                  index_format: IndexKeyFormat, device: torch.device | str = "cpu") -> None:
         self.latent_format = latent_format
@@ -218,8 +220,9 @@ class LatentCache:
         if index_k is not None:
             self.index_k[layer, positions] = self.index_format.pack(index_k)
 
-    def locate(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """Slots of `positions` (any shape, -1 = padding, kept as -1) in latent[layer]."""
+    def locate(self, layer: int, positions: torch.Tensor, runners_up: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots of `positions` (any shape, -1 = padding, kept as -1) in latent[layer]. `runners_up`: the
+        positions ranked just below a decode step's selection, when `num_next_ranks` asks for them."""
         return torch.where(positions >= 0, self.page_table[positions.clamp_min(0)], positions)
 
     def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -239,6 +242,15 @@ class DsaTrace:
     scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
+@dataclass
+class IndexerChoice:
+    """What a layer's indexer chose: the selected positions [T, K], and for a one-token forward whose cache
+    asks for them (`num_next_ranks`), the runners-up [1, M]; GLM's shared layers reuse the previous one."""
+
+    selection: torch.Tensor
+    runners_up: torch.Tensor | None = None
+
+
 class DsaAttention(MultiHeadLatentAttention):
     def __init__(self, cfg: DsaConfig, layer_idx: int) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
@@ -251,8 +263,8 @@ class DsaAttention(MultiHeadLatentAttention):
                                             cfg.indexer_rope_interleaved, cfg.index_topk)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache, prev_selection: torch.Tensor | None, trace: DsaTrace | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: LatentCache, prev_choice: IndexerChoice | None, trace: DsaTrace | None
+                ) -> tuple[torch.Tensor, IndexerChoice]:
         layer = self.layer_idx
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
         idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
@@ -264,17 +276,21 @@ class DsaAttention(MultiHeadLatentAttention):
             q_idx = cache.index_format.prepare_query(self.indexer.queries(q_resid, cos, sin))
             scores = index_scores(q_idx, self.indexer.head_weights(x), cache.read_index_k(layer, context))
             selection = select_topk(scores, positions, self.indexer.top_k)
-        elif prev_selection is None:
+            num_next = cache.num_next_ranks if x.shape[0] == 1 else 0
+            runners_up = select_runners_up(scores, positions, selection, num_next) if num_next else None
+            choice = IndexerChoice(selection, runners_up)
+        elif prev_choice is None:
             raise ValueError(f"layer {layer} shares the top-k of a previous layer but none ran an indexer")
         else:
-            selection = prev_selection
+            choice = prev_choice
+            selection = choice.selection
         if trace is not None:
             trace.selections.append(selection)
             trace.scores.append(scores)
 
         q_lat = self.absorb_q(q_nope)
         if x.shape[0] == 1:
-            rows = cache.read_latent(layer, cache.locate(layer, selection))
+            rows = cache.read_latent(layer, cache.locate(layer, selection, choice.runners_up))
             o_lat = sparse_mla_attention(q_lat, q_pe, rows, selection >= 0, self.softmax_scale)
         else:
             rows = cache.read_latent(layer, cache.locate(layer, torch.arange(context, device=x.device)))
@@ -283,7 +299,7 @@ class DsaAttention(MultiHeadLatentAttention):
             allowed.scatter_(1, torch.where(selection >= 0, selection, context), True)
             allowed = allowed[:, :context]
             o_lat = masked_mla_attention(q_lat, q_pe, rows, allowed, self.softmax_scale)
-        return self.output(o_lat, x.dtype), selection
+        return self.output(o_lat, x.dtype), choice
 
 
 class DsaDecoderLayer(nn.Module):
@@ -301,12 +317,11 @@ class DsaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache, prev_selection: torch.Tensor | None, trace: DsaTrace | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, selection = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache,
-                                         prev_selection, trace)
+                cache: LatentCache, prev_choice: IndexerChoice | None, trace: DsaTrace | None
+                ) -> tuple[torch.Tensor, IndexerChoice]:
+        attn, choice = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache, prev_choice, trace)
         h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), selection
+        return h + self.mlp(self.post_attention_layernorm(h)), choice
 
 
 class DsaModel(nn.Module):
@@ -347,9 +362,9 @@ class DsaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions.cpu())
         cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
         h = self.model.embed_tokens(input_ids)
-        selection = None
+        choice = None
         for layer in self.model.layers:
-            h, selection = layer(h, positions, cos, sin, cache, selection, trace)
+            h, choice = layer(h, positions, cos, sin, cache, choice, trace)
         h = self.model.norm(h)
         if last_only:
             h = h[-1:]

@@ -115,6 +115,28 @@ def test_offloading_changes_no_result(model, latent_kind, backend, policy):
     assert_all_free(cache)
 
 
+def test_lrfu_gets_the_model_indexers_runners_up_at_every_swapping_decode_step(model):
+    """The model asks the sequence how many runners-up its policy reads and hands them to `locate` with
+    each decode step's selection; with none asked (lru) it computes none."""
+    ps = prompts()
+    for policy, wanted in (("lrfu", 2 * TOP_K), ("lru", 0)):
+        cache = HiSparseLatentCache.for_model(
+            model, {"device_buffer_size": BUFFER, "host_to_device_ratio": RATIO, "eviction_policy": policy},
+            budget_bytes=BUDGET, max_sequences=4, max_context=MAX_CONTEXT)
+        assert cache.num_next_ranks == wanted
+        seen = []
+        for bound in cache.swap_in:
+            def spy(selected, rows, newest, reserved, next_ranked=None, _inner=bound.page_table, _seen=seen):
+                _seen.append(None if next_ranked is None else tuple(next_ranked.shape))
+                return _inner(selected, rows, newest, reserved, next_ranked)
+            bound.page_table = spy
+        sequences = [cache.open(len(p) + NEW_TOKENS) for p in ps]
+        interleaved_greedy(model, sequences, ps)
+        assert seen and set(seen) == ({(1, wanted)} if wanted else {None})
+        for seq in sequences:
+            cache.close(seq)
+
+
 def test_admission_follows_the_reference_sizing(model):
     """cell = layers x (latent row + ratio x indexer key); hot buffers bound the device, the full
     latent the host pool. The same budget holding whole latent caches on the device fits far fewer."""

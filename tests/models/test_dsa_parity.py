@@ -175,9 +175,10 @@ class RecordingCache(LatentCache):
         self.page_table = torch.randperm(self.capacity, generator=torch.Generator().manual_seed(4))
         self.requests: list[tuple[int, torch.Tensor]] = []
 
-    def locate(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+    def locate(self, layer: int, positions: torch.Tensor, runners_up: torch.Tensor | None = None) -> torch.Tensor:
+        assert runners_up is None  # a plain cache asks for none (num_next_ranks 0)
         self.requests.append((layer, positions.clone()))
-        return super().locate(layer, positions)
+        return super().locate(layer, positions, runners_up)
 
 
 def test_decode_reads_rows_through_the_page_table_only_at_selected_positions(tmp_path):
