@@ -4,8 +4,8 @@ One call handles one layer for the whole decode batch. Per request it classifies
 positions as hits (already in a hot slot) or misses, lets the eviction policy pick a victim slot for
 each miss among the slots not selected this step, updates the slot table and the eviction order in
 place, copies each missed row host -> device, and returns the page table that sparse attention reads.
-A policy that reads the indexer's next-ranked positions (`score_lru`) gets them as `next_ranked`; they
-are never loaded.
+A policy that reads the indexer's next-ranked positions (`score_lru`, `lrfu`) gets them as
+`next_ranked`; they are never loaded.
 
 Three implementations share the signature below: `swap_in_reference` (plain Python/PyTorch, the
 definition), `swap_in_cpu` (numba, parallel over requests and over misses) and `swap_in_triton` (one

@@ -178,9 +178,11 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
         # Decay every count a step; the sort key credits a next-ranked position by its rank.
         old_value = tl.load(age_ptr + r * S + slots, mask=in_s, other=0)
         tl.store(aged_ptr + b * BLOCK_S + slots, old_value - (old_value >> decay_shift), mask=in_s)
-        span = ranks_per_top_k.to(tl.int64) * tl.maximum(K, 1)
+        # No `.to()` on the constants: Triton passes an integer argument equal to 1 as a constexpr, which has
+        # none; the int64 ranks make the products int64.
+        span = ranks_per_top_k * tl.maximum(K, 1)
         rank_s = tl.load(touch_ptr + b * BLOCK_S + slots).to(tl.int64)
-        credit = tl.where(rank_s <= span, rank_bonus.to(tl.int64) * (span - (rank_s - 1)) // span, 0)
+        credit = tl.where(rank_s <= span, rank_bonus * (span - (rank_s - 1)) // span, 0)
         tl.store(placed_ptr + b * BLOCK_S + slots, credit.to(tl.int32), mask=in_s)  # placed: free until the sort
         tl.debug_barrier()
         state_o = tl.load(aged_ptr + b * BLOCK_S + order, mask=in_s, other=0).to(tl.int64)

@@ -166,7 +166,9 @@ def select_runners_up(scores: torch.Tensor, query_positions: torch.Tensor, selec
     future = torch.arange(s, device=scores.device)[None, :] > query_positions[:, None]
     rest = scores.masked_fill(future, float("-inf"))
     # Padding (-1) masks position 0, which is then selected anyway: a row is padded only when it selects
-    # every past position, and then has no runners-up.
+    # every past position, and then has no runners-up. The newest position is not forced into the top-k
+    # here (the default model's indexer scores it +inf); listed as a runner-up it takes a rank no hot
+    # slot holds (it lives in the reserved slot), so later runners-up are credited one rank lower.
     rest = rest.scatter(1, selection.clamp(min=0), float("-inf"))
     values, ranked = rest.topk(n, dim=-1, sorted=True)
     out[:, :n] = ranked.masked_fill(values == float("-inf"), -1)

@@ -60,6 +60,7 @@ class EvictionPolicy(ABC):
 
     def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
                  device: torch.device | str | None = None) -> None:
+        self.num_slots = num_slots  # the buffer's size, for a policy whose runners-up depend on it
         self.state: dict[str, torch.Tensor] = {}
         if self.state_names:
             if num_rows is None or num_slots is None:
@@ -239,11 +240,6 @@ class ScoreLRUPolicy(EvictionPolicy):
     LOAD_AGE_STEPS: ClassVar[int] = 4
     NEXT_RANKS_PER_SPARE_SLOT: ClassVar[int] = 2
 
-    def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__(num_rows, num_slots, device)
-        self.num_slots = num_slots
-
     def num_next_ranks(self, top_k: int) -> int:
         return self.NEXT_RANKS_PER_SPARE_SLOT * max(self.num_slots - top_k, 0)
 
@@ -302,12 +298,12 @@ class LRFUPolicy(EvictionPolicy):
     where the key is the decayed value plus, for a slot whose position is the j-th (0-based) of
     `next_ranked` (the best rank of a position listed twice), the credit
     `RANK_BONUS x (span - j) // span` with span = `RANKS_PER_TOP_K` x width: `RANK_BONUS` = 4 selections
-    for the first runner-up, falling linearly to 0 at rank 2 x top_k. The credit is this step's only; it
-    is not added to the state. The policy asks for span runners-up (`num_next_ranks`: both the default
-    model's and the DSA models' caches pass them); passed none it is plain LRFU. The new order is LRU's
-    (untouched evictables, loaded, hits), so among equal keys the least recently used goes first. A reset
-    puts every value at 0 (held tokens were never selected; empty slots sit first in the order, so they
-    are filled first).
+    for the first runner-up, falling linearly to RANK_BONUS / span for the last credited one (rank span).
+    The credit is this step's only; it is not added to the state. The policy asks for span runners-up
+    (`num_next_ranks`: both the default model's and the DSA models' caches pass them); passed none it is
+    plain LRFU. The new order is LRU's (untouched evictables, loaded, hits), so among equal keys the least
+    recently used goes first. A reset puts every value at 0 (held tokens were never selected; empty slots
+    sit first in the order, so they are filled first).
 
     Tuning (`python -m hisparse.bench_missrate --split train --tune`, train-split traces): the decay among
     7/8, 15/16 and 31/32 a step and `RANK_BONUS` among 2-6 selections (a span of 2 x top_k did as well as
@@ -324,11 +320,6 @@ class LRFUPolicy(EvictionPolicy):
     DECAY_SHIFT: ClassVar[int] = 5
     RANK_BONUS: ClassVar[int] = 4 << 16  # the first runner-up's credit: 4 selections (4 x HIT)
     RANKS_PER_TOP_K: ClassVar[int] = 2  # runners-up read (and credited) per top_k column
-
-    def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__(num_rows, num_slots, device)
-        self.num_slots = num_slots
 
     def num_next_ranks(self, top_k: int) -> int:
         """`RANKS_PER_TOP_K` x top_k runners-up, none for a buffer with no slot to spare (nothing to choose)."""

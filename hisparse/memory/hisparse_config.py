@@ -43,13 +43,13 @@ class HiSparseConfig:
         """The eviction policy to run on `device`; "auto" is lrfu on a GPU and lru on the CPU.
 
         On a GPU a miss is a host -> device transfer over PCIe, which lrfu's fewer misses save (it beats
-        score_lru on held-out traces and, unlike it, asks the indexer for no runners-up). On the CPU the
-        "device" is the same memory and a miss is a row copy of under a kilobyte, so fewer misses buy little:
-        side by side with lru (`python -m hisparse.bench.decode_overhead --policies lru,lrfu`), lrfu's
-        decode step took 1.017x, 1.025x and 1.052x (batch 8, 2k tokens of context, 512-slot buffer, 90.1%
-        hits instead of 89.7%) and 1.026x (batch 16, 3k tokens, 7% fewer misses): within the machine's
-        noise, but no run's median below 1. lru keeps the decode overhead target (score_lru's runners-up
-        cost 1.32x the baseline's step where lru cost 1.10-1.14x; see the README).
+        score_lru on held-out traces); its 2 x top_k runners-up are a second top-k per layer there, whose
+        cost on a GPU is not measured yet (no GPU lent). On the CPU the "device" is the same memory and a
+        miss is a row copy of under a kilobyte, so fewer misses buy little: side by side with lru
+        (`python -m hisparse.bench.decode_overhead --policies lru,lrfu`, batch 8, 2k tokens of context,
+        512-slot buffer), lrfu's decode step took 1.169x with the runners-up (90.7% hits instead of 89.6%,
+        10.5% fewer misses; the runners-up's PyTorch top-k is most of the cost), and 1.017x, 1.025x and
+        1.052x before lrfu read them. lru keeps the decode overhead target (see the README).
         """
         if self.eviction_policy != "auto":
             return self.eviction_policy

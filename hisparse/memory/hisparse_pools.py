@@ -174,7 +174,7 @@ class HiSparsePools:
         self.host_rows = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
         policy = config.policy_for(device)
         self.policies = [get_policy(policy, max_requests, buffer, device) for _ in range(num_layers)]
-        # Positions ranked below the top-k that the policy reads (score_lru), asked of the indexer per step.
+        # Positions ranked below the top-k that the policy reads (score_lru, lrfu), asked of the indexer per step.
         self.num_next_ranks = self.policies[0].num_next_ranks(config.top_k)
         # Bound once per layer: every argument of a step's swap-in is built here, so the per-call checks are skipped.
         self.counters = SwapInCounters(num_layers, self.row_bytes, device)

@@ -169,9 +169,16 @@ def test_lrfu_credits_a_runner_up_for_this_step_only_by_its_rank():
     plan = policy.plan_row([20], [10, 11, 12], [0, 1, 2], {"value": value}, next_ranked=[10])
     assert plan.victims == [1]
     assert plan.state["value"] == [hit - (hit >> 5), hit, 2 * hit - (2 * hit >> 5)]  # no credit in the state
-    # A position listed twice keeps its best rank; a selected position's rank changes nothing.
-    plan = policy.plan_row([20, 12], [10, 11, 12], [0, 1, 2], {"value": value}, next_ranked=[12, 11, 11])
+    # Width 2 (credits down to rank 4): 11 listed first and third keeps rank 1's credit, so 10 (rank 2) goes;
+    # with the third listing's credit it would stay.
+    plan = policy.plan_row([20, -1], [10, 11, 12], [0, 1, 2], {"value": [hit, hit, 9 * hit]},
+                           next_ranked=[11, 10, 11])
     assert plan.victims == [0]
+    # Ranks are columns of next_ranked: a selected (12) or unheld (5, 6) position listed before 11 still
+    # takes its rank, so 11 is credited as rank 4 (a quarter) and goes before 10, two selections ahead.
+    plan = policy.plan_row([20, 12], [10, 11, 12], [0, 1, 2], {"value": [3 * hit, hit, hit]},
+                           next_ranked=[12, 5, 6, 11])
+    assert plan.victims == [1]
     # 4 selections of credit outweigh 3 of history: the runner-up stays, the often selected token goes.
     plan = policy.plan_row([20], [10, 11, 12], [0, 1, 2], {"value": [3 * hit, 4 * hit, 5 * hit]}, next_ranked=[10])
     assert plan.victims == [1]

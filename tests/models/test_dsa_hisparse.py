@@ -117,7 +117,8 @@ def test_offloading_changes_no_result(model, latent_kind, backend, policy):
 
 def test_lrfu_gets_the_model_indexers_runners_up_at_every_swapping_decode_step(model):
     """The model asks the sequence how many runners-up its policy reads and hands them to `locate` with
-    each decode step's selection; with none asked (lru) it computes none."""
+    each decode step's selection: past positions, distinct, none of them selected, padding last (their
+    ranking is `select_runners_up`'s test); with none asked (lru) it computes none."""
     ps = prompts()
     for policy, wanted in (("lrfu", 2 * TOP_K), ("lru", 0)):
         cache = HiSparseLatentCache.for_model(
@@ -128,6 +129,12 @@ def test_lrfu_gets_the_model_indexers_runners_up_at_every_swapping_decode_step(m
         for bound in cache.swap_in:
             def spy(selected, rows, newest, reserved, next_ranked=None, _inner=bound.page_table, _seen=seen):
                 _seen.append(None if next_ranked is None else tuple(next_ranked.shape))
+                if next_ranked is not None:
+                    ranked = next_ranked[0].tolist()
+                    valid = [p for p in ranked if p >= 0]
+                    assert valid and ranked == valid + [-1] * (len(ranked) - len(valid))
+                    assert len(set(valid)) == len(valid) and max(valid) <= int(newest[0])
+                    assert not set(valid) & set(selected[0].tolist())
                 return _inner(selected, rows, newest, reserved, next_ranked)
             bound.page_table = spy
         sequences = [cache.open(len(p) + NEW_TOKENS) for p in ps]
