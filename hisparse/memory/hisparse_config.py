@@ -47,9 +47,9 @@ class HiSparseConfig:
         cost on a GPU is not measured yet (no GPU lent). On the CPU the "device" is the same memory and a
         miss is a row copy of under a kilobyte, so fewer misses buy little: side by side with lru
         (`python -m hisparse.bench.decode_overhead --policies lru,lrfu`, batch 8, 2k tokens of context,
-        512-slot buffer), lrfu's decode step took 1.169x with the runners-up (90.7% hits instead of 89.6%,
-        10.5% fewer misses; the runners-up's PyTorch top-k is most of the cost), and 1.017x, 1.025x and
-        1.052x before lrfu read them. lru keeps the decode overhead target (see the README).
+        512-slot buffer), lrfu's decode step took 1.144x with the runners-up (90.7% hits instead of 89.6%,
+        10.5% fewer misses; ranking them and looking them up in the swap-in is the cost), and 1.017x,
+        1.025x and 1.052x before lrfu read them. lru keeps the decode overhead target (see the README).
         """
         if self.eviction_policy != "auto":
             return self.eviction_policy

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.kernels.index_scores_cpu import int8_past_scores
-from hisparse.kernels.top_k_cpu import top_k_ascending
+from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -77,8 +77,10 @@ class IndexerKeyCache:
         over the positions left out.
         """
         scores = self._past_scores(layer, index_q, index_w, slots, lengths)
-        selected = self._select(scores, top_k)
         b, width = scores.shape
+        if self.compiled_top_k and scores.dtype == torch.float32:  # both in one compiled pass per row
+            return top_k_and_runners_up(scores.contiguous(), min(top_k, width), num_next)
+        selected = self._select(scores, top_k)
         out = torch.full((b, num_next), -1, dtype=torch.int64, device=scores.device)
         n = min(num_next, width)
         if n == 0:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse.kernels import top_k_cpu
-from hisparse.kernels.top_k_cpu import top_k_ascending
+from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -67,6 +67,25 @@ def test_ties_go_to_the_earliest_positions(case):
         assert sorted(row[picked].tolist()) == sorted(row[theirs].tolist()), "the reference's scores, ties aside"
 
 
+@FAST
+@given(case=ROWS, n=st.integers(0, 60), ties=st.booleans())
+def test_runners_up_are_the_next_best_columns_best_first_ties_earliest(case, n, ties):
+    """The top-k part is top_k_ascending's exactly; the runners-up are what a stable sort by descending
+    score lists after the top-k (ties to the earlier column), -inf never, -1 padding last."""
+    seed, batch, width, k, parallel = case
+    scores = random_scores(seed, batch, width, ties=ties)
+    with patch.object(top_k_cpu, "PARALLEL_MIN_SCORES", 0 if parallel else top_k_cpu.PARALLEL_MIN_SCORES):
+        picked, following = top_k_and_runners_up(scores, k, n)
+    assert torch.equal(picked, run(scores, k, parallel))
+    assert following.shape == (batch, n) and following.dtype == torch.int64
+    for b in range(batch):
+        row = scores[b]
+        chosen = set(picked[b].tolist()) - {-1}
+        order = sorted((p for p in range(width) if row[p] > float("-inf")), key=lambda p: -float(row[p]))
+        expected = [p for p in order if p not in chosen][:n]
+        assert following[b].tolist() == expected + [-1] * (n - len(expected))
+
+
 def test_a_row_of_one_token_selects_it():
     scores = torch.tensor([[float("inf"), float("-inf"), float("-inf")]])
     assert top_k_ascending(scores, 2).tolist() == [[0, -1]]
@@ -77,7 +96,8 @@ def test_serial_and_parallel_kernels_are_separate_functions():
     `parallel`: one function compiled both ways would load one variant's code for both."""
     from hisparse.kernels import decode_attention_cpu, index_scores_cpu, swap_in_cpu
 
-    pairs = [(top_k_cpu._top_k_serial, top_k_cpu._top_k_parallel), index_scores_cpu._kernels(64),
+    pairs = [(top_k_cpu._top_k_serial, top_k_cpu._top_k_parallel),
+             (top_k_cpu._top_k_runners_up_serial, top_k_cpu._top_k_runners_up_parallel), index_scores_cpu._kernels(64),
              (swap_in_cpu._plan_batch_serial, swap_in_cpu._plan_batch_parallel),
              (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel),
              (decode_attention_cpu._attend_serial, decode_attention_cpu._attend_parallel)]

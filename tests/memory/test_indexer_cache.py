@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,11 +98,15 @@ def test_selection_works_in_positions_not_slots():
     assert picked.tolist() == [[2, 4]]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), top_k=st.integers(1, 24),
        num_next=st.integers(0, 30), seed=st.integers(0, 2**16))
-def test_select_with_next_ranks_the_runners_up_and_selects_exactly_as_select(lengths, top_k, num_next, seed):
+def test_select_with_next_ranks_the_runners_up_and_selects_exactly_as_select(compiled, lengths, top_k, num_next,
+                                                                              seed):
+    """Both paths: the compiled top-k with its runners-up (the CPU's) and PyTorch's (every other device)."""
     cache, slots, q, w, lengths_t = random_batch(lengths, 2, seed, layer=0)
+    cache.compiled_top_k = compiled
     b = slots.shape[0]
     picked, following = cache.select_with_next(0, q, w, slots, lengths_t, top_k, num_next)
     assert torch.equal(picked, cache.select(0, q, w, slots, lengths_t, top_k))
