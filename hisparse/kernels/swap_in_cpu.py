@@ -1,15 +1,15 @@
 """Swap-in on the CPU with numba: the reference's rules, at memory speed.
 
-Two parallel phases. Bookkeeping runs one request per thread iteration (`prange` over the batch);
-each request finds its hits with a small open-addressing hash set of its top-k positions (as the
-reference system's CUDA block does), so a step costs O(S + K) per request whatever the context; the set
-is sized 8x the top-k, which keeps the probe of a slot that was not selected (most of them, at high miss
-rates) to about one. The
-copies then run over all misses of the batch at once (`prange` over chunks of the flattened miss
-list, in the same parallel call), so a batch whose misses sit in one request still uses every core,
-and each row is prefetched into L2 a few rows before its copy (`prefetch`): at batch 64 and 100%
-misses, these two and the missed host rows read in a loop of their own took a call from 2.69 to
-1.95 ms, measured side by side. Rows are copied as raw machine words
+Two parallel phases. Bookkeeping plans one request at a time on each thread; each request finds its
+hits with a small open-addressing hash set of its top-k positions (as the reference system's CUDA block
+does), so a step costs O(S + K) per request whatever the context; the set is sized 8x the top-k, which
+keeps the probe of a slot that was not selected (most of them, at high miss rates) to about one. The
+copies then run over all misses of the batch at once (chunks of the flattened miss list, in the same
+parallel call), so a batch whose misses sit in one request still uses every core, and each row is
+prefetched into L2 a few rows before its copy (`prefetch`): at batch 64 and 100% misses, these two and
+the missed host rows read in a loop of their own took a call from 2.69 to 1.95 ms, measured side by
+side. Threads claim requests and chunks one at a time (`work_claim`) instead of taking numba's fixed
+shares, because the second thread often wakes late. Rows are copied as raw machine words
 (the widest unsigned integer dividing the row size), which handles every dtype, bfloat16 included,
 and lets the compiler emit plain wide loads and stores. (Copying each row as its slot is picked, in the
 bookkeeping loop, was 1.3-1.6x slower at 100% misses: the scattered loads stall the bookkeeping, while
@@ -31,6 +31,7 @@ thread pool costs more than they do. Which pool runs the parallel loops matters 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -46,6 +47,7 @@ from hisparse.kernels.swap_in import (
     SwapInResult,
     raise_value_error,
 )
+from hisparse.kernels.work_claim import claim
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 choose_threading_layer()
@@ -123,13 +125,14 @@ class BoundCpuSwapIn:
         batch, width = top_k.shape
         ranked = _NO_RANKS if next_ranked is None else next_ranked.numpy()
         plan = _plan_batch_parallel if batch * width >= PARALLEL_MIN_SELECTED else _plan_batch_serial
+        workers = numba.get_num_threads()  # read here: inside compiled code it would stop numba caching it
         error, detail, page_table, misses, evictions, hits, src, dst = plan(
             top_k.numpy(), rows.numpy(), newest, reserved, *self.tables, ranked, self.constants, self.code,
-            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals)
+            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals, workers)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
         if src.size:  # more missed bytes than the plan copies on its own thread
-            _copy_rows_parallel(self.host_words, self.device_words, src, dst)
+            _copy_rows_parallel(self.host_words, self.device_words, src, dst, workers)
         return page_table, misses, evictions, hits
 
 
@@ -417,9 +420,10 @@ def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, m
 # compiled function by the Python function and the argument types, not by `parallel`.
 @njit(cache=True)
 def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals):
+                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals, workers):
     """Check, plan every request, copy a few rows or list them: (error, detail, page table, misses,
-    evictions, hits, src rows, dst rows left to copy); the batch's totals are added to `totals`."""
+    evictions, hits, src rows, dst rows left to copy); the batch's totals are added to `totals`. `workers`
+    (the parallel variant's thread count) is unused here: both variants take the same arguments."""
     error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
         top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
@@ -433,22 +437,30 @@ def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows
 
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals):
-    """_plan_batch_serial with one request per iteration of a parallel loop, and the copies it leaves in a
-    second parallel loop of the same call: waking the thread pool costs about 80 us when it has slept (as
-    it has between two layers' swap-ins), and a separate copy call could find it asleep again."""
+                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals, workers):
+    """_plan_batch_serial on `workers` threads, each claiming the next request (`work_claim.claim`), and
+    the copies it leaves in a second parallel loop of the same call, by chunks claimed the same way: waking
+    the thread pool costs about 80 us when it has slept (as it has between two layers' swap-ins), and a
+    separate copy call could find it asleep again. Claimed rather than cut in fixed shares, because the
+    second thread often wakes late (batch 64, 100% misses, calls alternating: 0.88x, 0.94x and 0.92x the
+    time with numba's fixed halves)."""
     error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
         top_k, rows, newest, slot_pos, host_rows, next_ranked)
+    counters = np.zeros(2, np.int64)  # the next request to plan, the next chunk to copy
+    batch = top_k.shape[0]
     if error == 0:
-        for b in prange(top_k.shape[0]):
-            misses[b], evictions[b], hits[b] = _plan_row(
-                b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                next_ranked, constants, policy, page_table, miss_src, miss_dst)
+        for _ in prange(workers):
+            b = claim(counters, 0)
+            while b < batch:
+                misses[b], evictions[b], hits[b] = _plan_row(
+                    b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
+                    age, next_ranked, constants, policy, page_table, miss_src, miss_dst)
+                b = claim(counters, 0)
     error, detail, page_table, misses, evictions, hits, src, dst = _plan_finish(
         error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
         serial_copy_rows, totals)
-    for c in prange((src.shape[0] + _COPY_CHUNK - 1) // _COPY_CHUNK):
-        _copy_chunk(host_words, device_words, src, dst, c)
+    for _ in prange(workers):
+        _copy_claimed_chunks(host_words, device_words, src, dst, counters)
     return error, detail, page_table, misses, evictions, hits, src[:0], dst[:0]
 
 
@@ -480,6 +492,19 @@ def _copy_rows_serial(host, device, src, dst):
 
 
 @njit(parallel=True, cache=True)
-def _copy_rows_parallel(host, device, src, dst):
-    for c in prange((src.shape[0] + _COPY_CHUNK - 1) // _COPY_CHUNK):
+def _copy_rows_parallel(host, device, src, dst, workers):
+    counters = np.zeros(2, np.int64)
+    for _ in prange(workers):
+        _copy_claimed_chunks(host, device, src, dst, counters)
+
+
+@njit(cache=True)
+def _copy_claimed_chunks(host, device, src, dst, counters):
+    """One thread's part of a parallel copy: chunks claimed one by one (`counters[1]`) until none is left.
+    (The `prange` over the threads stays in each parallel caller: numba parallelises only the loops of the
+    function it compiles with parallel=True.)"""
+    chunks = (src.shape[0] + _COPY_CHUNK - 1) // _COPY_CHUNK
+    c = claim(counters, 1)
+    while c < chunks:
         _copy_chunk(host, device, src, dst, c)
+        c = claim(counters, 1)

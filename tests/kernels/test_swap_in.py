@@ -470,6 +470,9 @@ def test_cpu_row_copy_writes_exactly_the_listed_rows(num_copies, row_bytes, para
     dst = rng.choice(device.shape[0], num_copies, replace=False).astype(np.int64)
     expected = device.clone()
     expected[torch.from_numpy(dst)] = host[torch.from_numpy(src)]
-    copy = swap_in_cpu._copy_rows_parallel if parallel else swap_in_cpu._copy_rows_serial
-    copy(swap_in_cpu._as_words(host), swap_in_cpu._as_words(device), src, dst)
+    words = swap_in_cpu._as_words(host), swap_in_cpu._as_words(device)
+    if parallel:
+        swap_in_cpu._copy_rows_parallel(*words, src, dst, 2)
+    else:
+        swap_in_cpu._copy_rows_serial(*words, src, dst)
     assert torch.equal(device, expected)
