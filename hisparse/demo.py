@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{str(dtype).removeprefix('torch.')}, eviction {policy}")
     print("warming up the compiled kernels (numba caches them: slow only on the first run) ...", flush=True)
     buffer = hisparse_engine.cache.config.device_buffer_size
-    for config in (baseline_engine.config, hisparse_config):  # a context past the buffer: swap-in runs
+    for config in (baseline_engine.config, hisparse_engine.config):  # a context past the buffer: swap-in runs
         warm_up(config, model, tokenizer, prompts[0][:buffer + 16])
     results = {label: serve(e, prompts, params, label)
                for label, e in (("baseline", baseline_engine), ("hisparse", hisparse_engine))}

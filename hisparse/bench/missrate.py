@@ -364,17 +364,16 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
     sel = np.ascontiguousarray(np.stack(trace.layers).astype(np.int64))
     seq_lens = np.asarray(trace.seq_lens, dtype=np.int64)
     code = -1 if policy == OPTIMUM else POLICY_CODES[policy]
-    p = ScoreLRUPolicy
-    touch = p.TOUCH_AGE_PER_RANK if touch is None else touch
-    load_steps = p.LOAD_AGE_STEPS if load_steps is None else load_steps
-    per_spare = p.NEXT_RANKS_PER_SPARE_SLOT if next_per_spare is None else next_per_spare
-    bonus = LRFUPolicy.RANK_BONUS if rank_bonus is None else rank_bonus
-    if code == _SCORE_LRU:
-        num_next = per_spare * max(num_slots - trace.top_k, 0)
-    elif code == _LRFU and bonus and num_slots > trace.top_k:
-        num_next = LRFUPolicy.RANKS_PER_TOP_K * trace.top_k
-    else:
-        num_next = 0
+    # The simulated policy with the overrides set on it, so that it says how many runners-up it reads.
+    simulated = None if code < 0 else make_policy(policy, 1, num_slots)
+    overrides = {"TOUCH_AGE_PER_RANK": touch, "LOAD_AGE_STEPS": load_steps, "NEXT_RANKS_PER_SPARE_SLOT": next_per_spare,
+                 "DECAY_SHIFT": decay_shift, "RANK_BONUS": rank_bonus}
+    for name, value in overrides.items():
+        if value is not None and hasattr(simulated, name):
+            setattr(simulated, name, value)
+    score = simulated if isinstance(simulated, ScoreLRUPolicy) else ScoreLRUPolicy
+    lrfu = simulated if isinstance(simulated, LRFUPolicy) else LRFUPolicy
+    num_next = 0 if simulated is None else simulated.num_next_ranks(trace.top_k)
     if num_next:
         recorded = 0 if trace.next_ranked is None else trace.next_ranked[0].shape[1]
         if recorded < min(num_next, int(seq_lens.max())):  # fewer columns are fine if they rank every position
@@ -383,9 +382,9 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
         nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
     else:
         nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
-    shift = LRFUPolicy.DECAY_SHIFT if decay_shift is None else decay_shift
-    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, touch, load_steps, p.AGE_LIMIT, p.HELD_AGE,
-                            LRFUPolicy.HIT, shift, bonus, LRFUPolicy.RANKS_PER_TOP_K)
+    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, score.TOUCH_AGE_PER_RANK, score.LOAD_AGE_STEPS,
+                            score.AGE_LIMIT, score.HELD_AGE, lrfu.HIT, lrfu.DECAY_SHIFT, lrfu.RANK_BONUS,
+                            lrfu.RANKS_PER_TOP_K)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:

@@ -161,6 +161,20 @@ def _held(lookup, slot_pos, r, p):
 
 
 @njit(cache=True)
+def _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, limit):
+    """Per slot of row r, the rank (1 for the best) of its position among request b's first `limit`
+    next-ranked positions, 0 if not listed there or pinned this step; a position listed twice keeps its
+    best rank (`EvictionPolicy.plan_row`'s `next_rank`)."""
+    rank = np.zeros(slot_pos.shape[1], np.int64)
+    for j in range(min(next_ranked.shape[1], limit)):
+        p = next_ranked[b, j]
+        s = _held(lookup, slot_pos, r, p) if p >= 0 else -1
+        if s >= 0 and pinned[s] == 0 and rank[s] == 0:
+            rank[s] = j + 1
+    return rank
+
+
+@njit(cache=True)
 def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
               constants, policy, page_table, miss_src, miss_dst, lookup):
     """One request's bookkeeping; returns (misses, evictions, hits). Position `newest` is not swapped in:
@@ -199,43 +213,34 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
             n_evictable += 1
 
     # score_lru: age every slot a step, let next-ranked positions look younger, take the oldest evictables.
-    # lrfu: decay every count a step, credit next-ranked positions, take the lowest keys. Both keep the new
-    # value in new_age (lrfu's credit is in its sort keys only).
+    # lrfu: decay every count a step, take the lowest counts, a next-ranked position's credited by its rank.
+    # Both keep the new value in new_age (lrfu's credit is in its sort keys only).
     victims = evictable
     c0, c1, c2, c3 = constants  # score_lru: (touch, load steps, age limit, 0); lrfu: (hit, shift, bonus, span/K)
     unit = max(width, 1)  # score_lru's ages count in 1/width of a step
     spare = max(num_slots - width, 0)
     sorts = policy == _SCORE_LRU or policy == _LRFU
     new_age = np.empty(num_slots if sorts else 0, np.int64)
-    credit = np.zeros(num_slots if policy == _LRFU else 0, np.int64)
     if policy == _SCORE_LRU:
         touch, limit = c0, c2
+        rank = _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, next_ranked.shape[1])
         for s in range(num_slots):
             new_age[s] = min(np.int64(age[r, s]) + unit, limit)
-        ranked = np.zeros(num_slots, np.uint8)  # the best rank of a position listed twice wins
-        for j in range(next_ranked.shape[1]):
-            p = next_ranked[b, j]
-            s = _held(lookup, slot_pos, r, p) if p >= 0 else -1
-            if s >= 0 and pinned[s] == 0 and ranked[s] == 0:
-                ranked[s] = 1
-                new_age[s] = min(new_age[s], np.int64(touch) * (j + 1) * spare // unit)
+            if rank[s]:
+                new_age[s] = min(new_age[s], np.int64(touch) * rank[s] * spare // unit)
     elif policy == _LRFU:
         decay_shift, bonus, span = c1, np.int64(c2), np.int64(c3) * unit
+        rank = _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, span if bonus > 0 else 0)
         for s in range(num_slots):
             new_age[s] = age[r, s] - (age[r, s] >> decay_shift)
-        ranked = np.zeros(num_slots, np.uint8)  # the best rank of a position listed twice wins
-        for j in range(min(next_ranked.shape[1], span) if bonus > 0 else 0):
-            p = next_ranked[b, j]
-            s = _held(lookup, slot_pos, r, p) if p >= 0 else -1
-            if s >= 0 and pinned[s] == 0 and ranked[s] == 0:
-                ranked[s] = 1
-                credit[s] = bonus * (span - j) // span
     if sorts:  # victims by ascending key, ties in eviction order (a stable sort)
         sort_keys = np.empty(n_evictable, np.int64)
         for i in range(n_evictable):
             s = evictable[i]
-            # score_lru: oldest first; lrfu: lowest credited count first
-            sort_keys[i] = -new_age[s] if policy == _SCORE_LRU else new_age[s] + credit[s]
+            if policy == _SCORE_LRU:  # the oldest first
+                sort_keys[i] = -new_age[s]
+            else:  # the lowest credited count first
+                sort_keys[i] = new_age[s] + (bonus * (span - rank[s] + 1) // span if rank[s] else 0)
         victims = evictable[:n_evictable][np.argsort(sort_keys, kind="mergesort")]
 
     # The i-th miss (column order) takes the policy's i-th victim.

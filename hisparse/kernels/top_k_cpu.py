@@ -101,22 +101,30 @@ def _kth_largest(keys, k):
 
 
 @njit(cache=True)
-def _top_k_row(bits, b, k, out):
-    """Row b of `top_k_ascending`; returns the row's keys with the selected ones set to 0 (below -inf)."""
-    keys = _keys_of_row(bits, b)
-    threshold, remaining = _kth_largest(keys, k)
-    # `remaining` of the keys equal to the threshold are kept, the earliest first.
+def _keep_largest(keys, threshold, remaining, positions):
+    """Write into `positions`, ascending, every position whose key is above `threshold` and the first
+    `remaining` equal to it (what `_kth_largest` returned), never -inf (nor a key below it); return how many."""
     kept = 0
     for p in range(keys.shape[0]):
         key = keys[p]
-        if key == _MINUS_INF:
+        if key <= _MINUS_INF:
             continue
         if key > threshold or (key == threshold and remaining > 0):
             if key == threshold:
                 remaining -= 1
-            out[b, kept] = p
+            positions[kept] = p
             kept += 1
-            keys[p] = 0
+    return kept
+
+
+@njit(cache=True)
+def _top_k_row(bits, b, k, out):
+    """Row b of `top_k_ascending`; returns the row's keys with the selected ones set to 0 (below -inf)."""
+    keys = _keys_of_row(bits, b)
+    threshold, remaining = _kth_largest(keys, k)
+    kept = _keep_largest(keys, threshold, remaining, out[b])
+    for j in range(kept):
+        keys[out[b, j]] = 0
     for j in range(kept, k):
         out[b, j] = -1
     return keys
@@ -135,17 +143,10 @@ def _runners_up_row(keys, b, n, out):
     if m > 0:
         threshold, remaining = _kth_largest(keys, m)
         positions = np.empty(m, np.int64)
-        order_keys = np.empty(m, np.uint32)
-        for p in range(keys.shape[0]):
-            key = keys[p]
-            if key <= _MINUS_INF:
-                continue
-            if key > threshold or (key == threshold and remaining > 0):
-                if key == threshold:
-                    remaining -= 1
-                positions[found] = p
-                order_keys[found] = ~key  # ascending ~key is descending key
-                found += 1
+        found = _keep_largest(keys, threshold, remaining, positions)
+        order_keys = np.empty(found, np.uint32)
+        for i in range(found):
+            order_keys[i] = ~keys[positions[i]]  # ascending ~key is descending key
         _radix_sort(order_keys, positions)
         for j in range(found):
             out[b, j] = positions[j]

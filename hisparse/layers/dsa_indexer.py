@@ -157,19 +157,25 @@ def select_runners_up(scores: torch.Tensor, query_positions: torch.Tensor, selec
                       num_next: int) -> torch.Tensor:
     """The `num_next` past positions ranked just below `selection` (what `select_topk` returned for the
     same scores), best first: int64 [T, num_next], -1 padded. They are not attended; an eviction policy
-    of a memory hierarchy reads them as the likeliest next selections (`EvictionPolicy.num_next_ranks`)."""
-    s = scores.shape[-1]
+    of a memory hierarchy reads them as the likeliest next selections (`EvictionPolicy.num_next_ranks`).
+    The newest position is not forced into the top-k here (the default model's indexer scores it +inf);
+    listed as a runner-up it takes a rank no hot slot holds (it lives in the reserved slot), so later
+    runners-up are credited one rank lower."""
+    future = torch.arange(scores.shape[-1], device=scores.device)[None, :] > query_positions[:, None]
+    return runners_up(scores.masked_fill(future, float("-inf")), selection, num_next)
+
+
+def runners_up(scores: torch.Tensor, selection: torch.Tensor, num_next: int) -> torch.Tensor:
+    """The `num_next` best-scored columns of `scores` [T, S] (-inf: not a candidate) that `selection`
+    [T, K] (-1 padded) left out, best first: int64 [T, num_next], -1 padded. PyTorch's way, for every
+    device; the CPU's compiled top-k has its own (`kernels.top_k_cpu.top_k_and_runners_up`)."""
     out = torch.full((scores.shape[0], num_next), -1, dtype=torch.int64, device=scores.device)
-    n = min(num_next, s)
+    n = min(num_next, scores.shape[-1])
     if n == 0:
         return out
-    future = torch.arange(s, device=scores.device)[None, :] > query_positions[:, None]
-    rest = scores.masked_fill(future, float("-inf"))
-    # Padding (-1) masks position 0, which is then selected anyway: a row is padded only when it selects
-    # every past position, and then has no runners-up. The newest position is not forced into the top-k
-    # here (the default model's indexer scores it +inf); listed as a runner-up it takes a rank no hot
-    # slot holds (it lives in the reserved slot), so later runners-up are credited one rank lower.
-    rest = rest.scatter(1, selection.clamp(min=0), float("-inf"))
+    # Padding (-1) masks column 0, which is then selected anyway: a row is padded only when it selects
+    # every candidate, and then has no runners-up.
+    rest = scores.scatter(1, selection.clamp(min=0), float("-inf"))
     values, ranked = rest.topk(n, dim=-1, sorted=True)
     out[:, :n] = ranked.masked_fill(values == float("-inf"), -1)
     return out

@@ -17,7 +17,7 @@ import torch
 
 from hisparse.kernels.index_scores_cpu import int8_past_scores
 from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.layers.dsa_indexer import IndexKeyFormat, runners_up
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
 
@@ -77,20 +77,10 @@ class IndexerKeyCache:
         over the positions left out.
         """
         scores = self._past_scores(layer, index_q, index_w, slots, lengths)
-        b, width = scores.shape
         if self.compiled_top_k and scores.dtype == torch.float32:  # both in one compiled pass per row
-            return top_k_and_runners_up(scores.contiguous(), min(top_k, width), num_next)
+            return top_k_and_runners_up(scores.contiguous(), min(top_k, scores.shape[1]), num_next)
         selected = self._select(scores, top_k)
-        out = torch.full((b, num_next), -1, dtype=torch.int64, device=scores.device)
-        n = min(num_next, width)
-        if n == 0:
-            return selected, out
-        # Padding (-1) masks position 0, which is then selected anyway: a row is padded only when it
-        # selects every position it has.
-        rest = scores.scatter(1, selected.clamp(min=0), float("-inf"))
-        values, ranked = rest.topk(n, dim=-1, sorted=True)
-        out[:, :n] = ranked.masked_fill(values == float("-inf"), -1)
-        return selected, out
+        return selected, runners_up(scores, selected, num_next)
 
     def _past_scores(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
         """Scores [B, width]: -inf beyond each request's length, +inf at its newest position."""
