@@ -24,6 +24,7 @@ from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.engine.warm_up import warm_up
 from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.default_model import default_model_path
 from hisparse.models.loader import load_llama
@@ -41,16 +42,6 @@ def chat(engine: LLMEngine, question: str) -> None:
     print(f"user: {question}\nassistant: {request.output_text.strip()}")
     n = len(request.output_token_ids)
     print(f"  ({n} tokens; time to first token {first - start:.2f} s; decode {(n - 1) / max(decode, 1e-9):.1f} tok/s)")
-
-
-def warm_up(config: EngineConfig, model, tokenizer: Tokenizer, prompt: list[int]) -> None:
-    """One short request through a throwaway engine of the same config, so that numba compiles (or loads
-    from its cache) every kernel a decode step runs before anything is timed: on the first run after an
-    install or an edit of a kernel, the first decode step otherwise counted seconds of compiling."""
-    engine = LLMEngine(config, model=model, tokenizer=tokenizer)
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished:
-        engine.step()
 
 
 def serve(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, label: str) -> dict:
