@@ -47,6 +47,7 @@ from numba import njit, prange
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
 from hisparse.kernels.numba_threads import choose_threading_layer
+from hisparse.kernels.swap_in_cpu import keep_last_ghosts
 from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, LRFUPolicy, ScoreLRUPolicy
 from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K
 
@@ -80,7 +81,7 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots, held_state):
 
 @njit(cache=True)
 def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
-                     rank_bonus, ranks_per_top_k, misses):
+                     rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters, misses):
     """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
 
     sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
@@ -105,6 +106,14 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
     hits = np.empty(num_slots, np.int64)
     victims = np.empty(num_slots, np.int64)
     keys = np.empty(num_slots, np.int64)
+    # lrfu's ghosts: the last S evicted positions and their values, the oldest first (-1: empty), and
+    # where each position's ghost is
+    ghost_pos = np.full((1, num_slots), -1, np.int32)
+    ghost_val = np.zeros((1, num_slots), np.int32)
+    evicted_pos = np.empty(num_slots, np.int32)
+    evicted_val = np.empty(num_slots, np.int32)
+    pos_ghost = np.full(context, -1, np.int64)
+    loaded_val = np.empty(num_slots, np.int64)  # lrfu: each miss's starting value, in miss order
     live = False
     for t in range(steps):
         newest = seq_lens[t] - 1
@@ -181,19 +190,39 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             for v in range(n_miss):
                 victims[v] = evictable[v]
                 mark[victims[v]] = 2
-        # load the misses, in column order
+        # load the misses, in column order; lrfu: a returning ghost's value, the evicted joining the ghosts
         v = 0
+        n_evicted = 0
         for j in range(width):
             p = sel[t, j]
             if p < 0 or p == newest or pos_slot[p] >= 0:
                 continue
             s = victims[v]
-            v += 1
             old = slot_pos[s]
+            if policy == _LRFU:
+                g = pos_ghost[p]
+                ghost = np.int64(ghost_val[0, g] - (ghost_val[0, g] >> ghost_shift)) if g >= 0 else 0
+                loaded_val[v] = min(hit + ghost_quarters * ghost // 4, hit << decay_shift)
+                if g >= 0:
+                    ghost_pos[0, g] = -1  # it returns: gone from the ghosts
+                    pos_ghost[p] = -1
+                if old >= 0:
+                    evicted_pos[n_evicted] = old
+                    evicted_val[n_evicted] = age[s]
+                    n_evicted += 1
+            v += 1
             if old >= 0:
                 pos_slot[old] = -1
             slot_pos[s] = p
             pos_slot[p] = s
+        if policy == _LRFU:
+            for g in range(num_slots):
+                if ghost_pos[0, g] >= 0:
+                    pos_ghost[ghost_pos[0, g]] = -1
+            keep_last_ghosts(ghost_pos, ghost_val, 0, ghost_shift, evicted_pos, evicted_val, n_evicted)
+            for g in range(num_slots):
+                if ghost_pos[0, g] >= 0:
+                    pos_ghost[ghost_pos[0, g]] = g
         # the new order
         if policy == _LRU or policy == _LRFU:
             k = 0
@@ -207,13 +236,13 @@ def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             for i in range(n_hit):
                 new_order[k] = hits[i]
                 k += 1
-            if policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one
+            if policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one (a ghost more)
                 for s in range(num_slots):
                     state[s] = age[s]
                 for i in range(n_hit):
                     state[hits[i]] += hit
                 for i in range(n_miss):
-                    state[victims[i]] = hit
+                    state[victims[i]] = loaded_val[i]
         elif policy == _FIFO:
             k = 0
             for i in range(num_slots):
@@ -330,7 +359,7 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 @njit(parallel=True, cache=True)
 def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
-                     rank_bonus, ranks_per_top_k):
+                     rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters):
     """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
@@ -338,7 +367,8 @@ def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, l
             _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
         else:
             _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
-                             held_age, hit, decay_shift, rank_bonus, ranks_per_top_k, out[layer])
+                             held_age, hit, decay_shift, rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters,
+                             out[layer])
     return out
 
 
@@ -349,14 +379,15 @@ def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
 
 def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
              load_steps: int | None = None, next_per_spare: int | None = None,
-             decay_shift: int | None = None, rank_bonus: int | None = None) -> np.ndarray:
+             decay_shift: int | None = None, rank_bonus: int | None = None, ghost_decay_shift: int | None = None,
+             ghost_weight_quarters: int | None = None) -> np.ndarray:
     """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
 
     `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_spare` override
     score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_SPARE_SLOT (the engine passes it
     NEXT_RANKS_PER_SPARE_SLOT x (num_slots - top_k) next-ranked positions, so the trace must hold at
-    least that many); `decay_shift` and `rank_bonus` override lrfu's DECAY_SHIFT and RANK_BONUS (it reads
-    RANKS_PER_TOP_K x top_k next-ranked positions).
+    least that many); `decay_shift`, `rank_bonus`, `ghost_decay_shift` and `ghost_weight_quarters` override
+    lrfu's constants of those names (it reads RANKS_PER_TOP_K x top_k next-ranked positions).
     """
     if policy != OPTIMUM and policy not in POLICY_CODES:
         raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
@@ -367,7 +398,8 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
     # The simulated policy with the overrides set on it, so that it says how many runners-up it reads.
     simulated = None if code < 0 else make_policy(policy, 1, num_slots)
     overrides = {"TOUCH_AGE_PER_RANK": touch, "LOAD_AGE_STEPS": load_steps, "NEXT_RANKS_PER_SPARE_SLOT": next_per_spare,
-                 "DECAY_SHIFT": decay_shift, "RANK_BONUS": rank_bonus}
+                 "DECAY_SHIFT": decay_shift, "RANK_BONUS": rank_bonus, "GHOST_DECAY_SHIFT": ghost_decay_shift,
+                 "GHOST_WEIGHT_QUARTERS": ghost_weight_quarters}
     for name, value in overrides.items():
         if value is not None and hasattr(simulated, name):
             setattr(simulated, name, value)
@@ -384,7 +416,7 @@ def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = 
         nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
     return _simulate_layers(sel, nxt, seq_lens, num_slots, code, score.TOUCH_AGE_PER_RANK, score.LOAD_AGE_STEPS,
                             score.AGE_LIMIT, score.HELD_AGE, lrfu.HIT, lrfu.DECAY_SHIFT, lrfu.RANK_BONUS,
-                            lrfu.RANKS_PER_TOP_K)
+                            lrfu.RANKS_PER_TOP_K, lrfu.GHOST_DECAY_SHIFT, lrfu.GHOST_WEIGHT_QUARTERS)
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
@@ -563,6 +595,38 @@ def tune_lrfu(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int,
             for shift in LRFU_DECAY_SHIFTS for bonus in LRFU_RANK_BONUSES}
 
 
+LRFU_GHOST_DECAY_SHIFTS = [2, 3, 4]  # ghosts keeping 3/4, 7/8 and 15/16 of their value a step
+LRFU_GHOST_WEIGHTS = [0, 4, 6, 8]  # a returning ghost's share of its value, in quarters (0: no ghosts)
+
+
+def tune_lrfu_ghosts(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int], list[float]]:
+    """For every (GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS) of the two lists above, lrfu's share of LRU's
+    gap closed at each buffer size of `results` that has a gap (its other constants as they are)."""
+    sized = [r for r in results if _has_gap(r)]
+    return {(shift, weight): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(
+                traces, r.num_slots, LRFUPolicy.name, ghost_decay_shift=shift, ghost_weight_quarters=weight))
+                              for r in sized]
+            for shift in LRFU_GHOST_DECAY_SHIFTS for weight in LRFU_GHOST_WEIGHTS}
+
+
+def _print_grid(title: str, headers: tuple[str, ...], grid: dict[tuple, list[float]], sizes: list[str],
+                cells) -> tuple:
+    """Print a tuning grid as a Markdown table (`cells(key)`: the key's leading cells) and return the key
+    of the best mean share."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(headers) + " | " + " | ".join(sizes) + " | mean |\n|"
+          + "---|" * (len(headers) + len(sizes) + 1))
+    for key, shares in grid.items():
+        print("| " + " | ".join(str(c) for c in cells(key)) + " | " + " | ".join(f"{x:.0%}" for x in shares)
+              + f" | {np.mean(shares):.1%} |")
+    return max(grid, key=lambda key: float(np.mean(grid[key])))
+
+
+def _with_decay(key: tuple[int, int]) -> tuple:
+    """A (decay shift, x) grid key's cells: the shift, the share kept a step, x."""
+    return key[0], f"{1 - 2.0 ** -key[0]:.4g}", key[1]
+
+
 def _has_gap(result: Result) -> bool:
     return result.misses["lru"] - result.misses[OPTIMUM] > 1e-9
 
@@ -661,12 +725,15 @@ def main(argv=None) -> None:
                           "next_ranks_per_spare_slot": p.NEXT_RANKS_PER_SPARE_SLOT},
                  LRFUPolicy.name: {"decay_shift": LRFUPolicy.DECAY_SHIFT,
                                    "rank_bonus_selections": LRFUPolicy.RANK_BONUS / LRFUPolicy.HIT,
-                                   "ranks_per_top_k": LRFUPolicy.RANKS_PER_TOP_K}}
+                                   "ranks_per_top_k": LRFUPolicy.RANKS_PER_TOP_K,
+                                   "ghost_decay_shift": LRFUPolicy.GHOST_DECAY_SHIFT,
+                                   "ghost_weight_quarters": LRFUPolicy.GHOST_WEIGHT_QUARTERS}}
     described = (f"{p.name}: touch {p.TOUCH_AGE_PER_RANK}, load age {p.LOAD_AGE_STEPS} steps, "
                  f"{p.NEXT_RANKS_PER_SPARE_SLOT} next ranks per spare slot; "
                  f"{LRFUPolicy.name}: decay 1 - 2^-{LRFUPolicy.DECAY_SHIFT} a step, runners-up credited from "
                  f"{LRFUPolicy.RANK_BONUS / LRFUPolicy.HIT:g} selections down to 0 at rank "
-                 f"{LRFUPolicy.RANKS_PER_TOP_K} x top_k")
+                 f"{LRFUPolicy.RANKS_PER_TOP_K} x top_k, ghosts decaying 1 - 2^-{LRFUPolicy.GHOST_DECAY_SHIFT} a "
+                 f"step, returning with {LRFUPolicy.GHOST_WEIGHT_QUARTERS}/4 of their value")
     print(f"\nmisses per step per layer ({title}; {described})\n")
     print(table)
     report = {"source": source, "split": args.split, "num_requests": len(traces), "context": args.context,
@@ -678,32 +745,33 @@ def main(argv=None) -> None:
     if args.tune:
         grid = tune_score_lru(traces, results)
         sizes = [f"{r.buffer_factor:g}x" for r in results if _has_gap(r)]
-        best = max(grid, key=lambda key: float(np.mean(grid[key])))
-        print(f"\n{ScoreLRUPolicy.name}'s share of LRU's gap closed, per buffer size and on average\n")
-        print("| touch | load age | next per spare slot | " + " | ".join(sizes) + " | mean |\n|"
-              + "---|" * (4 + len(sizes)))
-        for (touch, load, per), shares in grid.items():
-            print(f"| {touch} | {load} | {per} | " + " | ".join(f"{x:.0%}" for x in shares)
-                  + f" | {np.mean(shares):.1%} |")
+        best = _print_grid(f"{ScoreLRUPolicy.name}'s share of LRU's gap closed, per buffer size and on average",
+                           ("touch", "load age", "next per spare slot"), grid, sizes, lambda key: key)
         print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} next ranks per spare slot: "
               f"{np.mean(grid[best]):.1%} on average")
         decays = tune_lrfu(traces, results)
-        best_lrfu = max(decays, key=lambda key: float(np.mean(decays[key])))
-        print(f"\n{LRFUPolicy.name}'s share of LRU's gap closed\n")
-        print("| decay shift | decay a step | rank bonus (selections) | " + " | ".join(sizes) + " | mean |\n|"
-              + "---|" * (4 + len(sizes)))
-        for (shift, bonus), shares in decays.items():
-            print(f"| {shift} | {1 - 2.0 ** -shift:.4g} | {bonus} | " + " | ".join(f"{x:.0%}" for x in shares)
-                  + f" | {np.mean(shares):.1%} |")
+        best_lrfu = _print_grid(f"{LRFUPolicy.name}'s share of LRU's gap closed",
+                                ("decay shift", "decay a step", "rank bonus (selections)"), decays, sizes,
+                                _with_decay)
         print(f"\nbest: decay shift {best_lrfu[0]}, rank bonus {best_lrfu[1]} selections: "
               f"{np.mean(decays[best_lrfu]):.1%} on average")
+        ghosts = tune_lrfu_ghosts(traces, results)
+        best_ghosts = _print_grid(f"{LRFUPolicy.name}'s share of LRU's gap closed, by its ghosts' decay and weight",
+                                  ("ghost decay shift", "decay a step", "weight (quarters)"), ghosts, sizes,
+                                  _with_decay)
+        print(f"\nbest: ghost decay shift {best_ghosts[0]}, weight {best_ghosts[1]} quarters: "
+              f"{np.mean(ghosts[best_ghosts]):.1%} on average")
         names = ("touch", "load_steps", "next_per_spare")
         report["tune"] = {"sizes": sizes, "best": dict(zip(names, best, strict=True)),
                           "grid": [{"touch": t, "load_steps": x, "next_per_spare": n, "gap_closed": v}
                                    for (t, x, n), v in grid.items()],
                           LRFUPolicy.name: {"best_decay_shift": best_lrfu[0], "best_rank_bonus": best_lrfu[1],
                                             "grid": [{"decay_shift": k, "rank_bonus": n, "gap_closed": v}
-                                                     for (k, n), v in decays.items()]}}
+                                                     for (k, n), v in decays.items()],
+                                            "best_ghost_decay_shift": best_ghosts[0],
+                                            "best_ghost_weight_quarters": best_ghosts[1],
+                                            "ghost_grid": [{"ghost_decay_shift": k, "ghost_weight_quarters": w,
+                                                            "gap_closed": v} for (k, w), v in ghosts.items()]}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "missrate.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "missrate.md").write_text(f"Misses per step per layer ({title}; {described})\n\n{table}\n")

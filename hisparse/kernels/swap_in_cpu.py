@@ -3,7 +3,8 @@
 Two parallel phases. Bookkeeping plans one request at a time on each thread; each request finds its
 hits with a sparse set, as the Triton kernel does: the thread's scratch `lookup[position] = slot` for the
 slots the request holds, a selected position being a hit iff the slot read there holds it, so the
-scratch is never cleared and a step costs O(S + K) per request whatever the context. (Against an
+scratch is never cleared and a step costs O(S + K) per request whatever the context (lrfu's ghosts are
+in it too, as S + their entry, written first so that a held position's slot wins). (Against an
 open-addressing hash set of the top-k, 8x its size, built and probed per request: batch 64, calls
 alternating, 0.88-0.92x the time at 0% and 20% misses, the same at 100%, where the misses' own work
 dominates.) The
@@ -67,6 +68,7 @@ PARALLEL_MIN_SELECTED = 16384  # batch x top_k
 PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
 _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have
 _NO_AGE = torch.zeros((1, 1), dtype=torch.int32)
+_NO_GHOSTS = (torch.full((1, 1), -1, dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32))
 _NO_RANKS = np.empty((0, 0), np.int64)  # next_ranked of a policy that reads none (any batch: M = 0)
 _NOT_A_POSITION = -2  # the "newest position" of a plain swap-in call: matches no selection, not even padding
 _PREFETCH_AHEAD = 8  # rows; 4 and 16 did as well
@@ -97,9 +99,11 @@ class BoundCpuSwapIn:
         self.code = POLICY_CODES[policy.name]
         self.table_shape = tuple(slot_pos.shape)
         self.context = host_rows.shape[1]  # positions must fall in [0, context)
+        ghosts = policy.kernel_ghosts() or _NO_GHOSTS
         self.tables = (slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
                        policy.state.get("referenced", _NO_REFERENCED).numpy(),
-                       _NO_AGE.numpy() if policy.kernel_state() is None else policy.kernel_state().numpy())
+                       _NO_AGE.numpy() if policy.kernel_state() is None else policy.kernel_state().numpy(),
+                       ghosts[0].numpy(), ghosts[1].numpy())
         self.constants = policy.kernel_constants()  # score_lru's or lrfu's; the other policies ignore them
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
         self.totals = np.zeros(3, np.int64) if totals is None else totals.numpy()  # page_table adds to it
@@ -161,6 +165,44 @@ def _held(lookup, slot_pos, r, p):
 
 
 @njit(cache=True)
+def _ghost(lookup, ghost_pos, r, p, num_slots):
+    """The ghost entry of row r for position p, -1 if none: `lookup[p]` is S + its entry when the row's
+    scatter wrote one (see `_held`; a held position's slot overwrote it, so a held position has none)."""
+    g = lookup[p] - num_slots
+    if 0 <= g < ghost_pos.shape[1] and ghost_pos[r, g] == p:
+        return g
+    return -1
+
+
+@njit(cache=True)
+def keep_last_ghosts(ghost_pos, ghost_value, r, decay, evicted_pos, evicted_value, n_evicted):
+    """Row r's ghosts := the last S of (its surviving ghosts, decayed by 1/2**decay, the oldest first, then
+    the n evicted), empty entries (-1, 0) at the front (`LRFUPolicy.choose`; the miss-rate simulator's too)."""
+    num_slots = ghost_pos.shape[1]
+    listed_pos = np.empty(num_slots + n_evicted, np.int32)
+    listed_value = np.empty(num_slots + n_evicted, np.int32)
+    n = 0
+    for g in range(num_slots):
+        if ghost_pos[r, g] >= 0:
+            listed_pos[n] = ghost_pos[r, g]
+            listed_value[n] = ghost_value[r, g] - (ghost_value[r, g] >> decay)
+            n += 1
+    for i in range(n_evicted):
+        listed_pos[n] = evicted_pos[i]
+        listed_value[n] = evicted_value[i]
+        n += 1
+    first = max(n - num_slots, 0)
+    pad = num_slots - (n - first)
+    for k in range(num_slots):
+        if k < pad:
+            ghost_pos[r, k] = -1
+            ghost_value[r, k] = 0
+        else:
+            ghost_pos[r, k] = listed_pos[first + k - pad]
+            ghost_value[r, k] = listed_value[first + k - pad]
+
+
+@njit(cache=True)
 def _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, limit):
     """Per slot of row r, the rank (1 for the best) of its position among request b's first `limit`
     next-ranked positions, 0 if not listed there or pinned this step; a position listed twice keeps its
@@ -175,13 +217,18 @@ def _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, limit):
 
 
 @njit(cache=True)
-def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, next_ranked,
-              constants, policy, page_table, miss_src, miss_dst, lookup):
+def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, ghost_pos,
+              ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup):
     """One request's bookkeeping; returns (misses, evictions, hits). Position `newest` is not swapped in:
     its column reads device row `reserved`. `lookup` [context] int32 is this thread's sparse set (see
     `_held`); other scratch is allocated here, per call."""
     width = top_k.shape[1]
     num_slots = slot_pos.shape[1]
+    if policy == _LRFU:  # lrfu's ghosts first, so that a held position's slot overwrites any ghost of it
+        for g in range(num_slots):
+            p = ghost_pos[r, g]
+            if p >= 0:
+                lookup[p] = num_slots + g
     for s in range(num_slots):  # the sparse set: position -> the slot holding it
         p = slot_pos[r, s]
         if p >= 0:
@@ -216,7 +263,8 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
     # lrfu: decay every count a step, take the lowest counts, a next-ranked position's credited by its rank.
     # Both keep the new value in new_age (lrfu's credit is in its sort keys only).
     victims = evictable
-    c0, c1, c2, c3 = constants  # score_lru: (touch, load steps, age limit, 0); lrfu: (hit, shift, bonus, span/K)
+    # score_lru: (touch, load steps, age limit, 0, 0, 0); lrfu: (hit, shift, bonus, span/K, ghost shift, ghost 4ths)
+    c0, c1, c2, c3, c4, c5 = constants
     unit = max(width, 1)  # score_lru's ages count in 1/width of a step
     spare = max(num_slots - width, 0)
     sorts = policy == _SCORE_LRU or policy == _LRFU
@@ -243,7 +291,12 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
                 sort_keys[i] = new_age[s] + (bonus * (span - rank[s] + 1) // span if rank[s] else 0)
         victims = evictable[:n_evictable][np.argsort(sort_keys, kind="mergesort")]
 
-    # The i-th miss (column order) takes the policy's i-th victim.
+    # The i-th miss (column order) takes the policy's i-th victim. lrfu: a returning ghost's value comes
+    # with it (and it leaves the ghosts), an evicted token's joins them.
+    lrfu = policy == _LRFU
+    loaded_value = np.empty(width if lrfu else 0, np.int64)
+    evicted_pos = np.empty(width if lrfu else 0, np.int32)
+    evicted_value = np.empty(width if lrfu else 0, np.int32)
     n_miss = 0
     n_evict = 0
     hand = 0
@@ -271,6 +324,16 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
             else:
                 s = victims[n_miss]
             pinned[s] = 2
+            if lrfu:
+                g = _ghost(lookup, ghost_pos, r, p, num_slots)
+                credit = 0
+                if g >= 0:
+                    credit = c5 * np.int64(ghost_value[r, g] - (ghost_value[r, g] >> c4)) // 4
+                    ghost_pos[r, g] = -1  # it returns
+                loaded_value[n_miss] = min(c0 + credit, np.int64(c0) << c1)
+                if slot_pos[r, s] >= 0:
+                    evicted_pos[n_evict] = slot_pos[r, s]
+                    evicted_value[n_evict] = new_age[s]
             if slot_pos[r, s] >= 0:
                 n_evict += 1
             slot_pos[r, s] = p
@@ -312,12 +375,13 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
             ranked = np.argsort(older_first, kind="mergesort")
             for i in range(num_slots):
                 lru[r, i] = base[ranked[i]]
-        elif policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one
+        elif policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one (a ghost's more)
             hit = c0
             for i in range(n_hits):
                 new_age[hits[i]] += hit
             for i in range(n_miss):
-                new_age[victims[i]] = hit
+                new_age[victims[i]] = loaded_value[i]
+            keep_last_ghosts(ghost_pos, ghost_value, r, c4, evicted_pos, evicted_value, n_evict)
         if sorts:
             for s in range(num_slots):
                 age[r, s] = new_age[s]
@@ -411,8 +475,8 @@ def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, m
 # compiled function by the Python function and the argument types, not by `parallel`.
 @njit(cache=True)
 def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                       next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals, lookup,
-                       workers):
+                       ghost_pos, ghost_value, next_ranked, constants, policy, host_words, device_words,
+                       serial_copy_rows, totals, lookup, workers):
     """Check, plan every request, copy a few rows or list them: (error, detail, page table, misses,
     evictions, hits, src rows, dst rows left to copy); the batch's totals are added to `totals`. `workers`
     (the parallel variant's thread count) is unused here, and only `lookup[0]` (each thread's sparse set)
@@ -423,15 +487,15 @@ def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows
         for b in range(top_k.shape[0]):
             misses[b], evictions[b], hits[b] = _plan_row(
                 b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup[0])
+                ghost_pos, ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup[0])
     return _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words,
                         device_words, serial_copy_rows, totals)
 
 
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
-                         next_ranked, constants, policy, host_words, device_words, serial_copy_rows, totals, lookup,
-                         workers):
+                         ghost_pos, ghost_value, next_ranked, constants, policy, host_words, device_words,
+                         serial_copy_rows, totals, lookup, workers):
     """_plan_batch_serial on `workers` threads, each claiming the next request (`work_claim.claim`), and
     the copies it leaves in a second parallel loop of the same call, by chunks claimed the same way: waking
     the thread pool costs about 80 us when it has slept (as it has between two layers' swap-ins), and a
@@ -448,7 +512,8 @@ def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_ro
             while b < batch:
                 misses[b], evictions[b], hits[b] = _plan_row(
                     b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
-                    age, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup[w])
+                    age, ghost_pos, ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst,
+                    lookup[w])
                 b = claim(counters, 0)
     error, detail, page_table, misses, evictions, hits, src, dst = _plan_finish(
         error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,

@@ -15,7 +15,10 @@ the new order) are one `tl.sort` each over packed keys `(AGE_LIMIT - age) << 20 
 every key distinct, so the sort is stable and its low bits say where each entry came from. Its next-ranked
 positions are found with the same sparse set as the selected ones; a position listed twice keeps its best
 rank (`atomic_min`). lrfu's victims are one such sort, by decayed value plus its next-rank credit
-(`key << 20 | index`, the ranks found the same way), and its new order is LRU's. On CUDA, `host_kv` may be
+(`key << 20 | index`, the ranks found the same way), and its new order is LRU's. Its ghosts (recently
+evicted positions) share the sparse set: `lookup[p] = S + entry` is written first, so a held position's
+slot overwrites it, and a missed position is a ghost iff the entry read there lists it; the new ghost
+list is two compactions (survivors, then the evicted in miss order) by prefix sums. On CUDA, `host_kv` may be
 pinned host memory: the loads read it directly.
 """
 
@@ -57,6 +60,9 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     num_next = next_ranked.shape[1]
     state = policy.kernel_state()
     age = torch.zeros((1, 1), dtype=torch.int32, device=device) if state is None else state
+    ghosts = policy.kernel_ghosts()
+    ghost_pos, ghost_value = ghosts if ghosts is not None else (
+        torch.full((1, 1), -1, dtype=torch.int32, device=device), torch.zeros((1, 1), dtype=torch.int32, device=device))
     block_s = triton.next_power_of_2(num_slots)
     block_k = triton.next_power_of_2(max(width, 1))
     host_words = _as_words(host_kv)
@@ -72,10 +78,11 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     touch = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     aged = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
     placed = torch.empty((batch, block_s) if sorts else (1, 1), dtype=torch.int32, device=device)
+    returned = torch.empty((batch, block_s) if lrfu else (1, 1), dtype=torch.int32, device=device)  # lrfu's ghosts
     _swap_in_kernel[(batch,)](
         top_k, rows, slot_pos, lru, device_rows, host_rows, host_words, device_words,
         page_table, misses, evictions, hits, lookup, hit_flags, by_rank, miss_src, miss_dst,
-        next_ranked, age, touch, aged, placed,
+        next_ranked, age, touch, aged, placed, ghost_pos, ghost_value, returned,
         width, num_slots, context, words, num_next,
         *policy.kernel_constants(),
         FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, SORTS=sorts, BLOCK_K=block_k, BLOCK_S=block_s,
@@ -101,13 +108,13 @@ def _as_words(kv: torch.Tensor) -> torch.Tensor:
 def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr, host_rows_ptr,
                     host_ptr, device_ptr, page_table_ptr, misses_ptr, evictions_ptr, hits_ptr,
                     lookup_ptr, hit_ptr, by_rank_ptr, miss_src_ptr, miss_dst_ptr,
-                    next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr,
-                    K, S, C, WORDS, M, CONST0, CONST1, CONST2, CONST3,
+                    next_ptr, age_ptr, touch_ptr, aged_ptr, placed_ptr, ghost_pos_ptr, ghost_value_ptr, returned_ptr,
+                    K, S, C, WORDS, M, CONST0, CONST1, CONST2, CONST3, CONST4, CONST5,
                     FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, SORTS: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
-    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0), lrfu's
-    # (HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K). `age_ptr` is its kernel_state: score_lru's ages,
-    # lrfu's counts.
+    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0, 0, 0),
+    # lrfu's (HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K, GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS).
+    # `age_ptr` is its kernel_state: score_lru's ages, lrfu's counts; `ghost_*_ptr` lrfu's ghosts.
     touch_age_per_rank = CONST0
     load_age_steps = CONST1
     age_limit = CONST2
@@ -115,6 +122,8 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     decay_shift = CONST1
     rank_bonus = CONST2
     ranks_per_top_k = CONST3
+    ghost_shift = CONST4
+    ghost_quarters = CONST5
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b)
     slots = tl.arange(0, BLOCK_S)
@@ -122,7 +131,13 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     cols = tl.arange(0, BLOCK_K)
     in_k = cols < K
 
-    # Sparse set position -> slot, and cleared hit flags.
+    # Sparse set position -> slot (lrfu: position -> S + ghost entry first, which a held position's slot
+    # then overwrites), and cleared hit flags.
+    if LRFU:
+        ghost_p = tl.load(ghost_pos_ptr + r * S + slots, mask=in_s, other=-1)
+        tl.store(lookup_ptr + b * C + ghost_p, slots + S, mask=ghost_p >= 0)
+        tl.store(returned_ptr + b * BLOCK_S + slots, tl.zeros([BLOCK_S], dtype=tl.int32))
+        tl.debug_barrier()
     pos = tl.load(slot_pos_ptr + r * S + slots, mask=in_s, other=-1)
     tl.store(lookup_ptr + b * C + pos, slots, mask=pos >= 0)
     tl.store(hit_ptr + b * BLOCK_S + slots, tl.zeros([BLOCK_S], dtype=tl.int32))
@@ -210,6 +225,17 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
     old = tl.load(slot_pos_ptr + r * S + victim, mask=miss, other=-1)
     n_evict = tl.sum((miss & (old >= 0)).to(tl.int32), 0)
     tl.store(slot_pos_ptr + r * S + victim, sel.to(tl.int32), mask=miss)
+    if LRFU:
+        # A missed position that is a ghost returns: its slot starts at HIT + its decayed ghost value x
+        # weight (at most HIT << DECAY_SHIFT), kept in `touch` (free since the sort) for the new state.
+        ghost_i = cand - S
+        returns = miss & (ghost_i >= 0) & (ghost_i < S)
+        returns = returns & (tl.load(ghost_pos_ptr + r * S + ghost_i, mask=returns, other=-1) == sel)
+        ghost_v = tl.load(ghost_value_ptr + r * S + ghost_i, mask=returns, other=0)
+        credit_g = ghost_quarters * (ghost_v - (ghost_v >> ghost_shift)).to(tl.int64) // 4
+        loaded_v = tl.minimum(hit + credit_g, hit << decay_shift)
+        tl.store(touch_ptr + b * BLOCK_S + victim, loaded_v.to(tl.int32), mask=miss)
+        tl.store(returned_ptr + b * BLOCK_S + ghost_i, tl.full([BLOCK_K], 1, dtype=tl.int32), mask=returns)
     slot = tl.where(miss, victim, hit_slot)
     dev_row = tl.load(device_rows_ptr + r * S + slot, mask=valid, other=-1)
     tl.store(page_table_ptr + b * K + cols, tl.where(valid, dev_row, -1), mask=in_k)
@@ -240,10 +266,32 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
             tl.debug_barrier()
             new_slot = tl.load(by_rank_ptr + b * BLOCK_S + (key & 1048575).to(tl.int32), mask=in_s, other=0)
             tl.store(lru_ptr + r * S + slots, new_slot, mask=in_s)
-        else:  # lrfu, as it is: a hit adds one selection, a loaded slot starts at one
-            new_state = tl.where(victim_o, hit, tl.where(ev, state_o, state_o + hit))
+        else:  # lrfu, as it is: a hit adds one selection, a loaded slot starts at one (a ghost's more)
+            loaded_o = tl.load(touch_ptr + b * BLOCK_S + order, mask=victim_o, other=0)
+            new_state = tl.where(victim_o, loaded_o, tl.where(ev, state_o, state_o + hit))
             tl.store(age_ptr + r * S + order, new_state.to(tl.int32), mask=in_s)
             tl.store(lru_ptr + r * S + base_index, order, mask=in_s)
+            # The ghosts: the surviving ones (decayed, the oldest first), then this step's evicted in miss
+            # order with their decayed values; the last S kept, empty entries at the front.
+            ghost_v_old = tl.load(ghost_value_ptr + r * S + slots, mask=in_s, other=0)
+            was_returned = tl.load(returned_ptr + b * BLOCK_S + slots)
+            kept_i = (in_s & (ghost_p >= 0) & (was_returned == 0)).to(tl.int32)
+            n_kept = tl.sum(kept_i, 0)
+            evicted = miss & (old >= 0)
+            evicted_i = evicted.to(tl.int32)
+            evicted_v = tl.load(aged_ptr + b * BLOCK_S + victim, mask=evicted, other=0)
+            first = S - (n_kept + n_evict)  # where the list starts; entries before it fall off
+            kept_at = first + tl.cumsum(kept_i, 0) - kept_i
+            evicted_at = first + n_kept + tl.cumsum(evicted_i, 0) - evicted_i
+            tl.debug_barrier()  # every lane has read the old ghosts
+            tl.store(ghost_pos_ptr + r * S + slots, tl.full([BLOCK_S], -1, dtype=tl.int32), mask=in_s & (slots < first))
+            tl.store(ghost_value_ptr + r * S + slots, tl.zeros([BLOCK_S], dtype=tl.int32), mask=in_s & (slots < first))
+            kept = (kept_i != 0) & (kept_at >= 0)
+            tl.store(ghost_pos_ptr + r * S + kept_at, ghost_p, mask=kept)
+            tl.store(ghost_value_ptr + r * S + kept_at, ghost_v_old - (ghost_v_old >> ghost_shift), mask=kept)
+            evicted = evicted & (evicted_at >= 0)
+            tl.store(ghost_pos_ptr + r * S + evicted_at, old, mask=evicted)
+            tl.store(ghost_value_ptr + r * S + evicted_at, evicted_v, mask=evicted)
     elif FIFO:
         loaded = ev & (ev_rank < n_miss)
         keep_i = (in_s & (loaded == 0)).to(tl.int32)

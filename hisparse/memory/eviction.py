@@ -18,7 +18,8 @@ one layer, exactly like that layer's `slot_pos` and `lru`.
 A swap-in may also pass `next_ranked`: the positions the indexer ranked just below the top-k this step,
 the best first. They are not loaded; a policy that reads them (`num_next_ranks` > 0: `score_lru`, `lrfu`)
 uses them as evidence of what the next steps will select. The others ignore them. A policy may also keep
-a history of its own per slot (`lrfu`'s decayed selection counts).
+a history of its own per slot (`lrfu`'s decayed selection counts, and its ghosts: the counts of the
+last S tokens evicted).
 
 `EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in and
 by tests; the CPU and Triton kernels implement the same rules and are tested against it.
@@ -48,14 +49,16 @@ class RowPlan:
 class EvictionPolicy(ABC):
     """One eviction rule: which evictable slots the misses take, and the eviction order afterwards.
 
-    Subclasses implement `choose`. Stateful subclasses list their per-slot state in `state_names`, make
-    it in `__init__` as int tensors of shape [num_rows, num_slots] in `self.state`, and return its new
-    row values from `choose`. A policy the cpu and Triton kernels also implement hands them its int32
-    state and its constants through `kernel_state` and `kernel_constants`.
+    Subclasses implement `choose`. Stateful subclasses list their per-slot state in `state_names` (an
+    entry's value for an empty row in `state_fill`, 0 if not listed), make it in `__init__` as int
+    tensors of shape [num_rows, num_slots] in `self.state`, and return its new row values from `choose`.
+    A policy the cpu and Triton kernels also implement hands them its int32 state and its constants
+    through `kernel_state`, `kernel_ghosts` and `kernel_constants`.
     """
 
     name: ClassVar[str]
     state_names: ClassVar[tuple[str, ...]] = ()
+    state_fill: ClassVar[dict[str, int]] = {}
     state_dtype: ClassVar[torch.dtype] = torch.int8
 
     def __init__(self, num_rows: int | None = None, num_slots: int | None = None,
@@ -69,7 +72,8 @@ class EvictionPolicy(ABC):
                     f"make one per layer with get_policy({self.name!r}, num_rows=R, num_slots=S)"
                 )
             for key in self.state_names:
-                self.state[key] = torch.zeros(num_rows, num_slots, dtype=self.state_dtype, device=device)
+                self.state[key] = torch.full((num_rows, num_slots), self.state_fill.get(key, 0),
+                                             dtype=self.state_dtype, device=device)
 
     def num_next_ranks(self, top_k: int) -> int:
         """How many positions ranked below the top-k the policy wants per swap-in (0: it ignores them)."""
@@ -80,16 +84,21 @@ class EvictionPolicy(ABC):
         lrfu's counts); None for a policy with none (clock's bits are the cpu kernel's own case)."""
         return None
 
-    def kernel_constants(self) -> tuple[int, int, int, int]:
-        """The four integers the cpu and Triton kernels read for this policy (what each means is the
+    def kernel_ghosts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int32 (positions, values) of recently evicted tokens the kernels keep for this policy
+        (lrfu's), None for a policy that keeps none."""
+        return None
+
+    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
+        """The six integers the cpu and Triton kernels read for this policy (what each means is the
         policy's own: see its override)."""
-        return (0, 0, 0, 0)
+        return (0, 0, 0, 0, 0, 0)
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Forget a row's history, for a new request or a rebuilt buffer whose slots 0..num_held-1 hold
         tokens and the rest are empty (as the module's `reset_row` leaves them)."""
-        for tensor in self.state.values():
-            tensor[row] = 0
+        for key, tensor in self.state.items():
+            tensor[row] = self.state_fill.get(key, 0)
 
     def plan_row(self, top_k: Sequence[int], slot_pos: Sequence[int], order: Sequence[int],
                  state: Mapping[str, Sequence[int]] | None = None, next_ranked: Sequence[int] = ()) -> RowPlan:
@@ -115,9 +124,10 @@ class EvictionPolicy(ABC):
             if s >= 0 and not is_hit[s] and next_rank[s] == 0:
                 next_rank[s] = rank
         state = state or {}
-        row_state = {k: list(state.get(k, [0] * len(slot_pos))) for k in self.state_names}
+        row_state = {k: list(state.get(k, [self.state_fill.get(k, 0)] * len(slot_pos))) for k in self.state_names}
         victims, new_order, new_state = self.choose(list(order), is_hit, len(miss_columns), row_state,
-                                                    next_rank, len(top_k))
+                                                    next_rank, len(top_k), list(slot_pos),
+                                                    [top_k[j] for j in miss_columns])
         slots = [slot_of.get(p, -1) if p >= 0 else -1 for p in top_k]
         for j, s in zip(miss_columns, victims, strict=True):
             slots[j] = s
@@ -125,12 +135,15 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def choose(self, order: list[int], is_hit: list[bool], num_misses: int, state: dict[str, list[int]],
-               next_rank: list[int], width: int) -> tuple[list[int], list[int], dict[str, list[int]]]:
+               next_rank: list[int], width: int, positions: list[int],
+               missed: list[int]) -> tuple[list[int], list[int], dict[str, list[int]]]:
         """Victim slot of each miss (in miss order), the new order, and the new extra row state.
 
         Victims must be evictable (`not is_hit[slot]`) and distinct; there are always enough of them
         because the number of selected positions is at most the number of slots. `next_rank[slot]` is
-        the slot's rank below the top-k (0: not ranked), `width` the number of top_k columns.
+        the slot's rank below the top-k (0: not ranked), `width` the number of top_k columns,
+        `positions[slot]` the position the slot holds before the step (-1: empty), `missed` the missed
+        positions in miss order.
         """
 
 
@@ -143,7 +156,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def choose(self, order, is_hit, num_misses, state, next_rank, width):
+    def choose(self, order, is_hit, num_misses, state, next_rank, width, positions, missed):
         evictable = [s for s in order if not is_hit[s]]
         hits = [s for s in order if is_hit[s]]
         victims = evictable[:num_misses]
@@ -155,7 +168,7 @@ class FIFOPolicy(EvictionPolicy):
 
     name = "fifo"
 
-    def choose(self, order, is_hit, num_misses, state, next_rank, width):
+    def choose(self, order, is_hit, num_misses, state, next_rank, width, positions, missed):
         victims = [s for s in order if not is_hit[s]][:num_misses]
         taken = set(victims)
         return victims, [s for s in order if s not in taken] + victims, state
@@ -175,7 +188,7 @@ class ClockPolicy(EvictionPolicy):
     name = "clock"
     state_names = ("referenced",)
 
-    def choose(self, order, is_hit, num_misses, state, next_rank, width):
+    def choose(self, order, is_hit, num_misses, state, next_rank, width, positions, missed):
         referenced = state["referenced"]
         pinned = list(is_hit)
         for s, hit in enumerate(is_hit):
@@ -246,9 +259,9 @@ class ScoreLRUPolicy(EvictionPolicy):
     def kernel_state(self) -> torch.Tensor:
         return self.state["age"]
 
-    def kernel_constants(self) -> tuple[int, int, int, int]:
-        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0)."""
-        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT, 0
+    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
+        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0, 0, 0)."""
+        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT, 0, 0, 0
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Held slots start at `HELD_AGE`: the prompt tail a reset loads was never selected, so any slot
@@ -257,7 +270,7 @@ class ScoreLRUPolicy(EvictionPolicy):
         self.state["age"][row, :num_held] = self.HELD_AGE
         self.state["age"][row, num_held:] = self.AGE_LIMIT
 
-    def choose(self, order, is_hit, num_misses, state, next_rank, width):
+    def choose(self, order, is_hit, num_misses, state, next_rank, width, positions, missed):
         limit = self.AGE_LIMIT
         width = max(width, 1)
         spare = max(len(order) - width, 0)
@@ -302,24 +315,45 @@ class LRFUPolicy(EvictionPolicy):
     The credit is this step's only; it is not added to the state. The policy asks for span runners-up
     (`num_next_ranks`: both the default model's and the DSA models' caches pass them); passed none it is
     plain LRFU. The new order is LRU's (untouched evictables, loaded, hits), so among equal keys the least
-    recently used goes first. A reset puts every value at 0 (held tokens were never selected; empty slots
+    recently used goes first.
+
+    Ghosts: an evicted token's count is not forgotten at once (LRFU proper keeps it for every block; ARC
+    keeps a list of recently evicted ones). The row keeps the last S evicted positions and their values
+    (`ghost_pos`, `ghost_value` [R, S], the oldest first, empty entries -1 / 0 at the front), decaying by
+    1/2**`GHOST_DECAY_SHIFT` a step (7/8: gone in a few dozen steps). A miss whose position is a ghost
+    starts at `HIT` + `GHOST_WEIGHT_QUARTERS` / 4 x its ghost value instead of `HIT` (at most HIT x
+    2**DECAY_SHIFT, the value of a slot selected at every step, so that no value outgrows the int32
+    state however often a token returns), and leaves the list; each evicted token joins it with its
+    decayed value this step, in miss order, the oldest falling off. Why: a token the layer keeps coming
+    back to is sometimes evicted all the same, and LRFU without ghosts takes it back as a newcomer, first
+    in line to be evicted again. In a simulation on the default model's traces, ghosts forgotten 16 steps
+    after their eviction gained as much as ghosts kept for ever: it is the quick returns that count.
+
+    A reset puts every value at 0 and empties the ghosts (held tokens were never selected; empty slots
     sit first in the order, so they are filled first).
 
     Tuning (`python -m hisparse.bench_missrate --split train --tune`, train-split traces): the decay among
     7/8, 15/16 and 31/32 a step and `RANK_BONUS` among 2-6 selections (a span of 2 x top_k did as well as
     one growing with the buffer's spare room; an exponential fall-off, a credit for positions near the
-    newest token, or one for how recently a slot was selected or loaded gained under 1 point more). On
-    held-out traces at 2x top_k it removes 39% of LRU's excess misses over Belady's optimum (without the
-    runners-up 29%; score_lru 21%); the README has the figures.
+    newest token, or one for how recently a slot was selected or loaded gained under 1 point more), then
+    the ghosts' decay among 3/4, 7/8, 15/16 and their weight among 1-2 at 1.5x-3x top_k (at 1x the buffer
+    is the top-k and a policy only chooses among the few slots padding leaves free). On held-out traces at
+    2x top_k it removes 45% of LRU's excess misses over Belady's optimum (without ghosts 39%, without the
+    runners-up either 29%; score_lru 21%); the README has the figures. Ghosts kept for every position
+    (not only the last S) did no better (44.6% with the slots' own decay); a ghost list kept per slot (its
+    last occupant) did worse at 1.5x and 2x (31% and 42%).
     """
 
     name = "lrfu"
-    state_names = ("value",)
+    state_names = ("value", "ghost_pos", "ghost_value")
+    state_fill = {"ghost_pos": -1}
     state_dtype = torch.int32
     HIT: ClassVar[int] = 1 << 16
     DECAY_SHIFT: ClassVar[int] = 5
     RANK_BONUS: ClassVar[int] = 4 << 16  # the first runner-up's credit: 4 selections (4 x HIT)
     RANKS_PER_TOP_K: ClassVar[int] = 2  # runners-up read (and credited) per top_k column
+    GHOST_DECAY_SHIFT: ClassVar[int] = 3  # a ghost keeps 7/8 of its value a step
+    GHOST_WEIGHT_QUARTERS: ClassVar[int] = 6  # a returning ghost starts at HIT + 6/4 of its value
 
     def num_next_ranks(self, top_k: int) -> int:
         """`RANKS_PER_TOP_K` x top_k runners-up, none for a buffer with no slot to spare (nothing to choose)."""
@@ -334,34 +368,50 @@ class LRFUPolicy(EvictionPolicy):
         if not 0 <= self.RANK_BONUS < 1 << 30 or self.RANKS_PER_TOP_K < 1:
             raise ValueError(f"lrfu's RANK_BONUS ({self.RANK_BONUS}) must be in [0, 2**30) and its "
                              f"RANKS_PER_TOP_K ({self.RANKS_PER_TOP_K}) >= 1")
+        if self.GHOST_DECAY_SHIFT < 1 or not 0 <= self.GHOST_WEIGHT_QUARTERS <= 8:
+            raise ValueError(f"lrfu's GHOST_DECAY_SHIFT ({self.GHOST_DECAY_SHIFT}) must be >= 1 and its "
+                             f"GHOST_WEIGHT_QUARTERS ({self.GHOST_WEIGHT_QUARTERS}) in [0, 8]")
         return self.HIT, self.DECAY_SHIFT
 
     def kernel_state(self) -> torch.Tensor:
         return self.state["value"]
 
-    def kernel_constants(self) -> tuple[int, int, int, int]:
-        """(HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K), checked by `constants`."""
-        return (*self.constants(), self.RANK_BONUS, self.RANKS_PER_TOP_K)
+    def kernel_ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.state["ghost_pos"], self.state["ghost_value"]
+
+    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
+        """(HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K, GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS),
+        checked by `constants`."""
+        return (*self.constants(), self.RANK_BONUS, self.RANKS_PER_TOP_K, self.GHOST_DECAY_SHIFT,
+                self.GHOST_WEIGHT_QUARTERS)
 
     def rank_credit(self, rank: int, width: int) -> int:
         """The key credit of a slot whose position is ranked `rank` (1 for the best) below the top-k."""
         span = self.RANKS_PER_TOP_K * max(width, 1)
         return self.RANK_BONUS * max(span - (rank - 1), 0) // span if rank > 0 else 0
 
-    def choose(self, order, is_hit, num_misses, state, next_rank, width):
+    def choose(self, order, is_hit, num_misses, state, next_rank, width, positions, missed):
         hit, shift = self.constants()
         value = [v - (v >> shift) for v in state["value"]]
+        ghosts = [(p, g - (g >> self.GHOST_DECAY_SHIFT))
+                  for p, g in zip(state["ghost_pos"], state["ghost_value"], strict=True) if p >= 0]
         key = [v + self.rank_credit(rank, width) for v, rank in zip(value, next_rank, strict=True)]
         evictable = [s for s in order if not is_hit[s]]
         victims = sorted(evictable, key=lambda s: key[s])[:num_misses]  # stable: ties in order
         taken = set(victims)
         new_order = [s for s in evictable if s not in taken] + victims + [s for s in order if is_hit[s]]
+        evicted = [(positions[s], value[s]) for s in victims if positions[s] >= 0]  # in miss order
+        ghost_value = dict(ghosts)
         for s, selected in enumerate(is_hit):
             if selected:
                 value[s] += hit
-        for s in victims:
-            value[s] = hit
-        return victims, new_order, {"value": value}
+        for s, p in zip(victims, missed, strict=True):
+            value[s] = min(hit + self.GHOST_WEIGHT_QUARTERS * ghost_value.get(p, 0) // 4, hit << shift)
+        returned = set(missed)
+        kept = ([(p, g) for p, g in ghosts if p not in returned] + evicted)[-len(order):]
+        empty = [(-1, 0)] * (len(order) - len(kept))
+        return victims, new_order, {"value": value, "ghost_pos": [p for p, _ in empty + kept],
+                                    "ghost_value": [g for _, g in empty + kept]}
 
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -16,9 +16,9 @@ class HiSparseConfig:
     device_buffer_size: int | None = None  # hot slots per request per layer; default 2 x top_k
     host_to_device_ratio: int = 8
     # "auto" picks by device (`policy_for`). lrfu: evict the least recently / frequently selected, this
-    # step's runners-up credited; on held-out traces of the default model it removes 39% of LRU's excess
-    # misses over Belady's optimum at 2x top_k and 47% at 3x (hisparse.bench_missrate). "lru" keeps the
-    # reference system's exact semantics.
+    # step's runners-up credited, recently evicted tokens' counts kept as ghosts; on held-out traces of the
+    # default model it removes 45% of LRU's excess misses over Belady's optimum at 2x top_k and 51% at 3x
+    # (hisparse.bench_missrate). "lru" keeps the reference system's exact semantics.
     eviction_policy: str = "auto"
 
     def __post_init__(self) -> None:

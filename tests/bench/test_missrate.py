@@ -28,7 +28,8 @@ from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_r
 # simulate()'s names for score_lru's and lrfu's constants -> the policy's attributes
 POLICY_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
                  "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT",
-                 "rank_bonus": "RANK_BONUS"}
+                 "rank_bonus": "RANK_BONUS", "ghost_decay_shift": "GHOST_DECAY_SHIFT",
+                 "ghost_weight_quarters": "GHOST_WEIGHT_QUARTERS"}
 SCORE_LRU = "score_lru"
 
 
@@ -127,14 +128,21 @@ def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
                                       simulate(trace, num_slots, "lru"))
 
 
-@pytest.mark.parametrize(("decay_shift", "rank_bonus"), [(1, 0), (3, 1 << 16), (5, 4 << 16), (6, 9 << 16)])
-def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift, rank_bonus):
-    """Decays and rank credits (0: plain LRFU; the trace lists 4 x top_k runners-up, the policy reads 2 x)."""
+@pytest.mark.parametrize(("decay_shift", "rank_bonus", "ghost_decay_shift", "ghost_weight_quarters"),
+                         [(1, 0, 1, 0), (3, 1 << 16, 2, 4), (5, 4 << 16, 3, 6), (6, 9 << 16, 5, 8)])
+def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift, rank_bonus, ghost_decay_shift, ghost_weight_quarters):
+    """Decays, rank credits (0: plain LRFU; the trace lists 4 x top_k runners-up, the policy reads 2 x) and
+    ghosts (weight 0: none count), on a trace whose evicted tokens come back (the test asserts they do)."""
     trace = random_trace(11, num_layers=2, start=30, steps=25, top_k=12, keep=0.7)
+    params = dict(decay_shift=decay_shift, rank_bonus=rank_bonus, ghost_decay_shift=ghost_decay_shift,
+                  ghost_weight_quarters=ghost_weight_quarters)
     for num_slots in (14, 24):
-        params = dict(decay_shift=decay_shift, rank_bonus=rank_bonus)
         np.testing.assert_array_equal(simulate(trace, num_slots, "lrfu", **params),
                                       engine_replay(trace, num_slots, "lrfu", **params))
+    if ghost_weight_quarters:  # the ghosts change what is evicted here, so the test above checks them
+        assert any(not np.array_equal(simulate(trace, n, "lrfu", **params),
+                                      simulate(trace, n, "lrfu", **{**params, "ghost_weight_quarters": 0}))
+                   for n in (14, 24))
 
 
 def test_score_lru_beats_lru_on_the_synthetic_traces():
@@ -210,3 +218,6 @@ def test_tune_grids_score_lru_constants_on_synthetic_traces(tmp_path, capsys):
     assert [(cell["decay_shift"], cell["rank_bonus"]) for cell in tune["lrfu"]["grid"]] == [
         (shift, bonus) for shift in (3, 4, 5) for bonus in (0, 2, 4, 6)]
     assert all(len(cell["gap_closed"]) == 2 for cell in tune["lrfu"]["grid"])
+    assert "best: ghost decay shift" in printed
+    assert [(cell["ghost_decay_shift"], cell["ghost_weight_quarters"]) for cell in tune["lrfu"]["ghost_grid"]] == [
+        (shift, weight) for shift in (2, 3, 4) for weight in (0, 4, 6, 8)]

@@ -388,6 +388,32 @@ def test_lrfu_credits_runners_up_down_to_rank_two_top_k_on_every_backend(backend
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize(("ghosts", "selected", "start", "ghosts_after"), [
+    # 30 is a ghost worth 8 selections: it returns at HIT + 6/4 of its decayed value and leaves the ghosts;
+    # the evicted 10 joins them after the surviving 31, with its value (0).
+    ([-1, 30, 31], 30, 1 + 6 * 7 / 4, [-1, 31, 10]),
+    # 30 is no ghost: it starts at one selection; the list is full, so its oldest entry (40) falls off.
+    ([40, 41, 42], 30, 1, [41, 42, 10]),
+])
+def test_lrfu_ghosts_on_every_backend(backend, ghosts, selected, start, ghosts_after):
+    slot_pos = torch.tensor([[10, 11, 12]], dtype=torch.int32)
+    lru = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    policy = get_policy("lrfu", num_rows=1, num_slots=3)
+    hit = policy.HIT
+    policy.state["value"][0] = torch.tensor([0, 2 * hit, 3 * hit], dtype=torch.int32)  # slot 0 (10) goes
+    policy.state["ghost_pos"][0] = torch.tensor(ghosts, dtype=torch.int32)
+    policy.state["ghost_value"][0] = torch.tensor([8 * hit if p >= 0 else 0 for p in ghosts], dtype=torch.int32)
+    res = swap_in(torch.tensor([[selected]]), torch.tensor([0]), slot_pos, lru, torch.arange(3).view(1, -1),
+                  torch.arange(50).view(1, -1), torch.randn(50, 4), torch.zeros(3, 4), policy=policy,
+                  backend=backend)
+    assert res.page_table.tolist() == [[0]] and slot_pos[0].tolist() == [selected, 11, 12]
+    assert policy.state["value"][0, 0] == int(start * hit)
+    assert policy.state["ghost_pos"][0].tolist() == ghosts_after
+    decayed = 8 * hit - (8 * hit >> policy.GHOST_DECAY_SHIFT)
+    assert policy.state["ghost_value"][0].tolist() == [0 if p in (-1, 10) else decayed for p in ghosts_after]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_more_selected_positions_than_slots_is_an_error(backend):
     with pytest.raises(ValueError, match="4 slots"):
         _call(torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, -1, -1]]), backend=backend)

@@ -192,6 +192,40 @@ def test_lrfu_refuses_constants_its_int32_state_cannot_hold():
         policy.plan_row([20], [10, 11], [0, 1], {"value": [0, 0]})
 
 
+def test_lrfu_ghost_weight_and_decay_are_checked():
+    policy = LRFUPolicy(num_rows=1, num_slots=2)
+    policy.GHOST_WEIGHT_QUARTERS = 9
+    with pytest.raises(ValueError, match="GHOST_WEIGHT_QUARTERS"):
+        policy.plan_row([20], [10, 11], [0, 1])
+
+
+@pytest.mark.parametrize(("weight", "third_victim"), [(LRFUPolicy.GHOST_WEIGHT_QUARTERS, 1), (0, 0)])
+def test_lrfu_ghost_a_token_evicted_and_selected_again_comes_back_with_its_count(weight, third_victim):
+    """Two slots, width 1: 10 (4 selections) is evicted for 30 by 20 (6 selections); 10 is selected again
+    (evicting 30) and then a newcomer arrives. With ghosts 10 came back worth 1 + 6/4 x its decayed count,
+    so 20 goes; as a plain newcomer (weight 0) 10 would go again."""
+    policy = LRFUPolicy(num_rows=1, num_slots=2)
+    policy.GHOST_WEIGHT_QUARTERS = weight
+    hit = LRFUPolicy.HIT
+    plan = policy.plan_row([30], [10, 20], [0, 1], {"value": [4 * hit, 6 * hit]})
+    assert plan.victims == [0] and plan.state["ghost_pos"] == [-1, 10]
+    positions = [30, 20]
+    plan = policy.plan_row([10], positions, plan.order, plan.state)
+    assert plan.victims == [0]
+    assert plan.state["ghost_pos"] == [-1, 30]  # 10 left the ghosts when it returned; 30 joined them
+    plan = policy.plan_row([40], [10, 20], plan.order, plan.state)
+    assert plan.victims == [third_victim]
+
+
+def test_lrfu_reset_forgets_the_ghosts():
+    policy = LRFUPolicy(num_rows=1, num_slots=2)
+    assert policy.state["ghost_pos"][0].tolist() == [-1, -1]  # a new row has none
+    policy.state["ghost_pos"][0] = torch.tensor([7, 8], dtype=torch.int32)
+    policy.state["ghost_value"][0] = 5
+    policy.reset_row(0, 2)
+    assert policy.state["ghost_pos"][0].tolist() == [-1, -1] and policy.state["ghost_value"][0].tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("name", ["lru", "fifo", "clock", "score_lru", "lrfu"])
 def test_empty_slots_are_used_before_any_token_is_evicted(name):
     slot_pos, lru = new_slot_tables(1, 4)
