@@ -18,8 +18,8 @@ one layer, exactly like that layer's `slot_pos` and `lru`.
 A swap-in may also pass `next_ranked`: the positions the indexer ranked just below the top-k this step,
 the best first. They are not loaded; a policy that reads them (`num_next_ranks` > 0: `score_lru`, `lrfu`)
 uses them as evidence of what the next steps will select. The others ignore them. A policy may also keep
-a history of its own per slot (`lrfu`'s decayed selection counts, and its ghosts: the counts of the
-last S tokens evicted).
+a history of its own per row, as [R, S] tables: `lrfu`'s decayed selection count of each slot, and its
+ghosts (a list of the last S tokens evicted and their counts).
 
 `EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in and
 by tests; the CPU and Triton kernels implement the same rules and are tested against it.
@@ -49,9 +49,10 @@ class RowPlan:
 class EvictionPolicy(ABC):
     """One eviction rule: which evictable slots the misses take, and the eviction order afterwards.
 
-    Subclasses implement `choose`. Stateful subclasses list their per-slot state in `state_names` (an
-    entry's value for an empty row in `state_fill`, 0 if not listed), make it in `__init__` as int
-    tensors of shape [num_rows, num_slots] in `self.state`, and return its new row values from `choose`.
+    Subclasses implement `choose`. Stateful subclasses list their per-row state of S entries (one per slot,
+    or lrfu's ghost list) in `state_names` (an entry's value for an empty row in `state_fill`, 0 if not
+    listed), make it in `__init__` as int tensors of shape [num_rows, num_slots] in `self.state`, and
+    return its new row values from `choose`.
     A policy the cpu and Triton kernels also implement hands them its int32 state and its constants
     through `kernel_state`, `kernel_ghosts` and `kernel_constants`.
     """
@@ -320,7 +321,8 @@ class LRFUPolicy(EvictionPolicy):
     Ghosts: an evicted token's count is not forgotten at once (LRFU proper keeps it for every block; ARC
     keeps a list of recently evicted ones). The row keeps the last S evicted positions and their values
     (`ghost_pos`, `ghost_value` [R, S], the oldest first, empty entries -1 / 0 at the front), decaying by
-    1/2**`GHOST_DECAY_SHIFT` a step (7/8: gone in a few dozen steps). A miss whose position is a ghost
+    1/2**`GHOST_DECAY_SHIFT` a step (7/8: a twentieth of itself after 22 steps; an entry stays listed until S
+    newer evictions push it out). A miss whose position is a ghost
     starts at `HIT` + `GHOST_WEIGHT_QUARTERS` / 4 x its ghost value instead of `HIT` (at most HIT x
     2**DECAY_SHIFT, the value of a slot selected at every step, so that no value outgrows the int32
     state however often a token returns), and leaves the list; each evicted token joins it with its
@@ -369,8 +371,8 @@ class LRFUPolicy(EvictionPolicy):
         if not 0 <= self.RANK_BONUS < 1 << 30 or self.RANKS_PER_TOP_K < 1:
             raise ValueError(f"lrfu's RANK_BONUS ({self.RANK_BONUS}) must be in [0, 2**30) and its "
                              f"RANKS_PER_TOP_K ({self.RANKS_PER_TOP_K}) >= 1")
-        if self.GHOST_DECAY_SHIFT < 1 or not 0 <= self.GHOST_WEIGHT_QUARTERS <= 8:
-            raise ValueError(f"lrfu's GHOST_DECAY_SHIFT ({self.GHOST_DECAY_SHIFT}) must be >= 1 and its "
+        if not 1 <= self.GHOST_DECAY_SHIFT <= 30 or not 0 <= self.GHOST_WEIGHT_QUARTERS <= 8:
+            raise ValueError(f"lrfu's GHOST_DECAY_SHIFT ({self.GHOST_DECAY_SHIFT}) must be in [1, 30] and its "
                              f"GHOST_WEIGHT_QUARTERS ({self.GHOST_WEIGHT_QUARTERS}) in [0, 8]")
         return self.HIT, self.DECAY_SHIFT
 
@@ -402,14 +404,16 @@ class LRFUPolicy(EvictionPolicy):
         taken = set(victims)
         new_order = [s for s in evictable if s not in taken] + victims + [s for s in order if is_hit[s]]
         evicted = [(positions[s], value[s]) for s in victims if positions[s] >= 0]  # in miss order
-        ghost_value = dict(ghosts)
+        entry_of = {p: i for i, (p, _) in enumerate(ghosts)}  # (listed twice, which no step makes: the newest)
         for s, selected in enumerate(is_hit):
             if selected:
                 value[s] += hit
+        returned = set()
         for s, p in zip(victims, missed, strict=True):
-            value[s] = min(hit + self.GHOST_WEIGHT_QUARTERS * ghost_value.get(p, 0) // 4, hit << shift)
-        returned = set(missed)
-        kept = ([(p, g) for p, g in ghosts if p not in returned] + evicted)[-len(order):]
+            i = entry_of.get(p)
+            value[s] = min(hit + (self.GHOST_WEIGHT_QUARTERS * ghosts[i][1] // 4 if i is not None else 0), hit << shift)
+            returned.add(i)
+        kept = ([entry for i, entry in enumerate(ghosts) if i not in returned] + evicted)[-len(order):]
         empty = [(-1, 0)] * (len(order) - len(kept))
         return victims, new_order, {"value": value, "ghost_pos": [p for p, _ in empty + kept],
                                     "ghost_value": [g for _, g in empty + kept]}

@@ -192,10 +192,13 @@ def test_lrfu_refuses_constants_its_int32_state_cannot_hold():
         policy.plan_row([20], [10, 11], [0, 1], {"value": [0, 0]})
 
 
-def test_lrfu_ghost_weight_and_decay_are_checked():
+@pytest.mark.parametrize(("name", "value"), [("GHOST_WEIGHT_QUARTERS", 9), ("GHOST_WEIGHT_QUARTERS", -1),
+                                             ("GHOST_DECAY_SHIFT", 0), ("GHOST_DECAY_SHIFT", 31)])
+def test_lrfu_ghost_weight_and_decay_are_checked(name, value):
+    """A shift of 32 or more is undefined for int32 on a GPU (the cpu kernel gave other values at 64)."""
     policy = LRFUPolicy(num_rows=1, num_slots=2)
-    policy.GHOST_WEIGHT_QUARTERS = 9
-    with pytest.raises(ValueError, match="GHOST_WEIGHT_QUARTERS"):
+    setattr(policy, name, value)
+    with pytest.raises(ValueError, match=name):
         policy.plan_row([20], [10, 11], [0, 1])
 
 
