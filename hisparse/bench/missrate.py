@@ -20,7 +20,7 @@ evicts, for each miss, the unselected slot whose position is next selected farth
 layer, per request); with all of a step's selections demanded at once this is still optimal (the usual
 exchange argument), so no online policy beats it.
 
-    python -m hisparse.bench_missrate [--trace-dir DIR] [--num-requests 4] [--context 2048] [--steps 128]
+    python -m hisparse.bench_missrate [--trace-dir DIR] [--num-requests 4] [--context 2048] [--steps 1024]
         [--top-k 256] [--buffers 1,1.5,2,3] [--split heldout] [--out missrate_results] [--tune]
 
 Traces are recorded once with the real default model (greedy decode, all layers sparse, as under
@@ -688,7 +688,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help="recorded traces (cache)")
     parser.add_argument("--num-requests", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
-    parser.add_argument("--steps", type=int, default=128, help="decode steps recorded per request")
+    parser.add_argument("--steps", type=int, default=1024,
+                        help="decode steps recorded per request (1024: a long generation, as the issue measures)")
     parser.add_argument("--top-k", type=int, default=256)
     parser.add_argument("--buffers", default="1,1.5,2,3", help="device buffer sizes in units of top_k")
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
