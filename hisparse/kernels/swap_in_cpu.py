@@ -134,9 +134,13 @@ class BoundCpuSwapIn:
         workers = numba.get_num_threads()  # read here: inside compiled code it would stop numba caching it
         if self.lookup.shape[0] < workers:
             self.lookup = np.empty((workers, self.context), np.int32)  # no need to clear: see `_held`
+        # lrfu's per-thread scratch for its ghosts, allocated here: three zero-size arrays per request
+        # cost the other policies' plan 2-4% at batch 64
+        ghost_scratch = np.empty((workers, 3, width if self.code == _LRFU else 0), np.int64)
         error, detail, page_table, misses, evictions, hits, src, dst = plan(
             top_k.numpy(), rows.numpy(), newest, reserved, *self.tables, ranked, self.constants, self.code,
-            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals, self.lookup, workers)
+            self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals, self.lookup,
+            ghost_scratch, workers)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
         if src.size:  # more missed bytes than the plan copies on its own thread
@@ -218,10 +222,10 @@ def _slot_ranks(next_ranked, b, lookup, slot_pos, r, pinned, limit):
 
 @njit(cache=True)
 def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_rows, referenced, age, ghost_pos,
-              ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup):
+              ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup, ghost_scratch):
     """One request's bookkeeping; returns (misses, evictions, hits). Position `newest` is not swapped in:
     its column reads device row `reserved`. `lookup` [context] int32 is this thread's sparse set (see
-    `_held`); other scratch is allocated here, per call."""
+    `_held`), `ghost_scratch` [3, width] int64 its lrfu scratch; other scratch is allocated here, per call."""
     width = top_k.shape[1]
     num_slots = slot_pos.shape[1]
     if policy == _LRFU:  # lrfu's ghosts first, so that a held position's slot overwrites any ghost of it
@@ -294,9 +298,7 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
     # The i-th miss (column order) takes the policy's i-th victim. lrfu: a returning ghost's value comes
     # with it (and it leaves the ghosts), an evicted token's joins them.
     lrfu = policy == _LRFU
-    loaded_value = np.empty(width if lrfu else 0, np.int64)
-    evicted_pos = np.empty(width if lrfu else 0, np.int32)
-    evicted_value = np.empty(width if lrfu else 0, np.int32)
+    loaded_value, evicted_pos, evicted_value = ghost_scratch[0], ghost_scratch[1], ghost_scratch[2]
     n_miss = 0
     n_evict = 0
     hand = 0
@@ -476,18 +478,19 @@ def _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, m
 @njit(cache=True)
 def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
                        ghost_pos, ghost_value, next_ranked, constants, policy, host_words, device_words,
-                       serial_copy_rows, totals, lookup, workers):
+                       serial_copy_rows, totals, lookup, ghost_scratch, workers):
     """Check, plan every request, copy a few rows or list them: (error, detail, page table, misses,
     evictions, hits, src rows, dst rows left to copy); the batch's totals are added to `totals`. `workers`
-    (the parallel variant's thread count) is unused here, and only `lookup[0]` (each thread's sparse set)
-    is: both variants take the same arguments."""
+    (the parallel variant's thread count) is unused here, and only `lookup[0]` and `ghost_scratch[0]`
+    (each thread's sparse set and lrfu scratch) are: both variants take the same arguments."""
     error, detail, page_table, misses, evictions, hits, miss_src, miss_dst = _plan_start(
         top_k, rows, newest, slot_pos, host_rows, next_ranked)
     if error == 0:
         for b in range(top_k.shape[0]):
             misses[b], evictions[b], hits[b] = _plan_row(
                 b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced, age,
-                ghost_pos, ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup[0])
+                ghost_pos, ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst, lookup[0],
+                ghost_scratch[0])
     return _plan_finish(error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words,
                         device_words, serial_copy_rows, totals)
 
@@ -495,7 +498,7 @@ def _plan_batch_serial(top_k, rows, newest, reserved, slot_pos, lru, device_rows
 @njit(parallel=True, cache=True)
 def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_rows, host_rows, referenced, age,
                          ghost_pos, ghost_value, next_ranked, constants, policy, host_words, device_words,
-                         serial_copy_rows, totals, lookup, workers):
+                         serial_copy_rows, totals, lookup, ghost_scratch, workers):
     """_plan_batch_serial on `workers` threads, each claiming the next request (`work_claim.claim`), and
     the copies it leaves in a second parallel loop of the same call, by chunks claimed the same way: waking
     the thread pool costs about 80 us when it has slept (as it has between two layers' swap-ins), and a
@@ -513,7 +516,7 @@ def _plan_batch_parallel(top_k, rows, newest, reserved, slot_pos, lru, device_ro
                 misses[b], evictions[b], hits[b] = _plan_row(
                     b, rows[b], newest[b], reserved[b], top_k, slot_pos, lru, device_rows, host_rows, referenced,
                     age, ghost_pos, ghost_value, next_ranked, constants, policy, page_table, miss_src, miss_dst,
-                    lookup[w])
+                    lookup[w], ghost_scratch[w])
                 b = claim(counters, 0)
     error, detail, page_table, misses, evictions, hits, src, dst = _plan_finish(
         error, detail, page_table, misses, evictions, hits, miss_src, miss_dst, host_words, device_words,
