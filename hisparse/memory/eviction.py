@@ -341,9 +341,9 @@ class LRFUPolicy(EvictionPolicy):
     the ghosts' decay among 3/4, 7/8, 15/16 and their weight among 1-2 at 1.5x-3x top_k (at 1x the buffer
     is the top-k and a policy only chooses among the few slots padding leaves free). On held-out traces at
     2x top_k it removes 45% of LRU's excess misses over Belady's optimum (without ghosts 39%, without the
-    runners-up either 29%; score_lru 21%) over 192 decode steps; over 1024, 58% on the held-out text and
-    37% on the train text (49% of the two pooled): the share depends on the text far more than on the
-    constants. The README has the figures. Ghosts kept for every position
+    runners-up either 29%; score_lru 21%) over 192 decode steps; over 1024, 49-50% of each text's gap over
+    8 requests, 37-58% over 4: the share depends on the text far more than on the constants. The README
+    has the figures. Ghosts kept for every position
     (not only the last S) did no better (44.6% with the slots' own decay); a ghost list kept per slot (its
     last occupant) did worse at 1.5x and 2x (31% and 42%).
     """
