@@ -588,11 +588,8 @@ LRFU_RANK_BONUSES = [0, 2, 4, 6]  # the first runner-up's credit, in selections 
 def tune_lrfu(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int], list[float]]:
     """For every (DECAY_SHIFT, RANK_BONUS in selections) of LRFU_DECAY_SHIFTS x LRFU_RANK_BONUSES, lrfu's
     share of LRU's gap closed at each buffer size of `results` that has a gap."""
-    sized = [r for r in results if _has_gap(r)]
-    return {(shift, bonus): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(
-                traces, r.num_slots, LRFUPolicy.name, decay_shift=shift, rank_bonus=bonus * LRFUPolicy.HIT))
-                             for r in sized]
-            for shift in LRFU_DECAY_SHIFTS for bonus in LRFU_RANK_BONUSES}
+    return _lrfu_grid(traces, results, LRFU_DECAY_SHIFTS, LRFU_RANK_BONUSES,
+                      lambda shift, bonus: {"decay_shift": shift, "rank_bonus": bonus * LRFUPolicy.HIT})
 
 
 LRFU_GHOST_DECAY_SHIFTS = [2, 3, 4]  # ghosts keeping 3/4, 7/8 and 15/16 of their value a step
@@ -602,24 +599,34 @@ LRFU_GHOST_WEIGHTS = [0, 4, 6, 8]  # a returning ghost's share of its value, in 
 def tune_lrfu_ghosts(traces: list[TopkTrace], results: list[Result]) -> dict[tuple[int, int], list[float]]:
     """For every (GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS) of the two lists above, lrfu's share of LRU's
     gap closed at each buffer size of `results` that has a gap (its other constants as they are)."""
+    return _lrfu_grid(traces, results, LRFU_GHOST_DECAY_SHIFTS, LRFU_GHOST_WEIGHTS,
+                      lambda shift, weight: {"ghost_decay_shift": shift, "ghost_weight_quarters": weight})
+
+
+def _lrfu_grid(traces: list[TopkTrace], results: list[Result], firsts: list[int], seconds: list[int],
+               overrides) -> dict[tuple[int, int], list[float]]:
+    """lrfu's share of LRU's gap per buffer size with a gap, for each (first, second): `overrides(first,
+    second)` the simulator's keyword overrides."""
     sized = [r for r in results if _has_gap(r)]
-    return {(shift, weight): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(
-                traces, r.num_slots, LRFUPolicy.name, ghost_decay_shift=shift, ghost_weight_quarters=weight))
-                              for r in sized]
-            for shift in LRFU_GHOST_DECAY_SHIFTS for weight in LRFU_GHOST_WEIGHTS}
+    return {(a, b): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(traces, r.num_slots, LRFUPolicy.name,
+                                                                          **overrides(a, b)))
+                     for r in sized]
+            for a in firsts for b in seconds}
 
 
 def _print_grid(title: str, headers: tuple[str, ...], grid: dict[tuple, list[float]], sizes: list[str],
-                cells) -> tuple:
-    """Print a tuning grid as a Markdown table (`cells(key)`: the key's leading cells) and return the key
-    of the best mean share."""
+                cells, best_is) -> tuple:
+    """Print a tuning grid as a Markdown table (`cells(key)`: the key's leading cells) and the key of the
+    best mean share (`best_is(key)` says it in words); return that key."""
     print(f"\n{title}\n")
     print("| " + " | ".join(headers) + " | " + " | ".join(sizes) + " | mean |\n|"
           + "---|" * (len(headers) + len(sizes) + 1))
     for key, shares in grid.items():
         print("| " + " | ".join(str(c) for c in cells(key)) + " | " + " | ".join(f"{x:.0%}" for x in shares)
               + f" | {np.mean(shares):.1%} |")
-    return max(grid, key=lambda key: float(np.mean(grid[key])))
+    best = max(grid, key=lambda key: float(np.mean(grid[key])))
+    print(f"\nbest: {best_is(best)}: {np.mean(grid[best]):.1%} on average")
+    return best
 
 
 def _with_decay(key: tuple[int, int]) -> tuple:
@@ -747,21 +754,16 @@ def main(argv=None) -> None:
         grid = tune_score_lru(traces, results)
         sizes = [f"{r.buffer_factor:g}x" for r in results if _has_gap(r)]
         best = _print_grid(f"{ScoreLRUPolicy.name}'s share of LRU's gap closed, per buffer size and on average",
-                           ("touch", "load age", "next per spare slot"), grid, sizes, lambda key: key)
-        print(f"\nbest: touch {best[0]}, load age {best[1]}, {best[2]} next ranks per spare slot: "
-              f"{np.mean(grid[best]):.1%} on average")
+                           ("touch", "load age", "next per spare slot"), grid, sizes, lambda key: key,
+                           lambda key: f"touch {key[0]}, load age {key[1]}, {key[2]} next ranks per spare slot")
         decays = tune_lrfu(traces, results)
         best_lrfu = _print_grid(f"{LRFUPolicy.name}'s share of LRU's gap closed",
                                 ("decay shift", "decay a step", "rank bonus (selections)"), decays, sizes,
-                                _with_decay)
-        print(f"\nbest: decay shift {best_lrfu[0]}, rank bonus {best_lrfu[1]} selections: "
-              f"{np.mean(decays[best_lrfu]):.1%} on average")
+                                _with_decay, lambda key: f"decay shift {key[0]}, rank bonus {key[1]} selections")
         ghosts = tune_lrfu_ghosts(traces, results)
         best_ghosts = _print_grid(f"{LRFUPolicy.name}'s share of LRU's gap closed, by its ghosts' decay and weight",
                                   ("ghost decay shift", "decay a step", "weight (quarters)"), ghosts, sizes,
-                                  _with_decay)
-        print(f"\nbest: ghost decay shift {best_ghosts[0]}, weight {best_ghosts[1]} quarters: "
-              f"{np.mean(ghosts[best_ghosts]):.1%} on average")
+                                  _with_decay, lambda key: f"ghost decay shift {key[0]}, weight {key[1]} quarters")
         names = ("touch", "load_steps", "next_per_spare")
         report["tune"] = {"sizes": sizes, "best": dict(zip(names, best, strict=True)),
                           "grid": [{"touch": t, "load_steps": x, "next_per_spare": n, "gap_closed": v}

@@ -109,6 +109,9 @@ class BoundCpuSwapIn:
         self.totals = np.zeros(3, np.int64) if totals is None else totals.numpy()  # page_table adds to it
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
         self.lookup = np.empty((0, self.context), np.int32)  # per thread: the plan's sparse sets, never cleared
+        # per thread: lrfu's ghost scratch, [threads, 3, width] (zero-width for the other policies); here, not per
+        # request: three zero-size arrays per request cost the other policies' plan 2-4% at batch 64
+        self.ghost_scratch = np.empty((0, 3, 0), np.int64)
 
     def __call__(self, top_k: torch.Tensor, rows: torch.Tensor,
                  next_ranked: torch.Tensor | None = None) -> SwapInResult:
@@ -134,13 +137,13 @@ class BoundCpuSwapIn:
         workers = numba.get_num_threads()  # read here: inside compiled code it would stop numba caching it
         if self.lookup.shape[0] < workers:
             self.lookup = np.empty((workers, self.context), np.int32)  # no need to clear: see `_held`
-        # lrfu's per-thread scratch for its ghosts, allocated here: three zero-size arrays per request
-        # cost the other policies' plan 2-4% at batch 64
-        ghost_scratch = np.empty((workers, 3, width if self.code == _LRFU else 0), np.int64)
+        scratch_shape = (workers, 3, width if self.code == _LRFU else 0)
+        if self.ghost_scratch.shape != scratch_shape:
+            self.ghost_scratch = np.empty(scratch_shape, np.int64)
         error, detail, page_table, misses, evictions, hits, src, dst = plan(
             top_k.numpy(), rows.numpy(), newest, reserved, *self.tables, ranked, self.constants, self.code,
             self.host_words, self.device_words, PARALLEL_MIN_BYTES // self.row_bytes, totals, self.lookup,
-            ghost_scratch, workers)
+            self.ghost_scratch, workers)
         if error:
             raise_value_error(error, detail, self.table_shape, self.context)
         if src.size:  # more missed bytes than the plan copies on its own thread
@@ -333,10 +336,10 @@ def _plan_row(b, r, newest, reserved, top_k, slot_pos, lru, device_rows, host_ro
                     credit = c5 * np.int64(ghost_value[r, g] - (ghost_value[r, g] >> c4)) // 4
                     ghost_pos[r, g] = -1  # it returns
                 loaded_value[n_miss] = min(c0 + credit, np.int64(c0) << c1)
-                if slot_pos[r, s] >= 0:
+            if slot_pos[r, s] >= 0:
+                if lrfu:
                     evicted_pos[n_evict] = slot_pos[r, s]
                     evicted_value[n_evict] = new_age[s]
-            if slot_pos[r, s] >= 0:
                 n_evict += 1
             slot_pos[r, s] = p
             miss_src[b, n_miss] = p  # its host row comes below

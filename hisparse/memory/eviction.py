@@ -321,11 +321,11 @@ class LRFUPolicy(EvictionPolicy):
     Ghosts: an evicted token's count is not forgotten at once (LRFU proper keeps it for every block; ARC
     keeps a list of recently evicted ones). The row keeps the last S evicted positions and their values
     (`ghost_pos`, `ghost_value` [R, S], the oldest first, empty entries -1 / 0 at the front), decaying by
-    1/2**`GHOST_DECAY_SHIFT` a step (7/8: a twentieth of itself after 22 steps; an entry stays listed until S
-    newer evictions push it out). A miss whose position is a ghost
-    starts at `HIT` + `GHOST_WEIGHT_QUARTERS` / 4 x its ghost value instead of `HIT` (at most HIT x
-    2**DECAY_SHIFT, the value of a slot selected at every step, so that no value outgrows the int32
-    state however often a token returns), and leaves the list; each evicted token joins it with its
+    1/2**`GHOST_DECAY_SHIFT` a step (7/8: a twentieth of itself after 22 steps; an entry stays listed until
+    S newer evictions push it out). A miss whose position is a ghost starts at `HIT` +
+    `GHOST_WEIGHT_QUARTERS` / 4 x its ghost value instead of `HIT` (at most HIT x 2**DECAY_SHIFT, the value
+    of a slot selected at every step, so that no value outgrows the int32 state however often a token
+    returns), and leaves the list; each evicted token joins it with its
     decayed value this step, in miss order, the oldest falling off. Why: a token the layer keeps coming
     back to is sometimes evicted all the same, and LRFU without ghosts takes it back as a newcomer, first
     in line to be evicted again. In a simulation on the default model's traces, ghosts forgotten 16 steps
@@ -343,9 +343,9 @@ class LRFUPolicy(EvictionPolicy):
     2x top_k it removes 45% of LRU's excess misses over Belady's optimum (without ghosts 39%, without the
     runners-up either 29%; score_lru 21%) over 192 decode steps; over 1024, 49-50% of each text's gap over
     8 requests, 37-58% over 4: the share depends on the text far more than on the constants. The README
-    has the figures. Ghosts kept for every position
-    (not only the last S) did no better (44.6% with the slots' own decay); a ghost list kept per slot (its
-    last occupant) did worse at 1.5x and 2x (31% and 42%).
+    has the figures. Ghosts kept for every position (not only the last S) did no better (44.6% with the
+    slots' own decay); a ghost list kept per slot (its last occupant) did worse at 1.5x and 2x (31% and
+    42%).
     """
 
     name = "lrfu"
@@ -409,11 +409,10 @@ class LRFUPolicy(EvictionPolicy):
         for s, selected in enumerate(is_hit):
             if selected:
                 value[s] += hit
-        returned = set()
+        returned = {entry_of[p] for p in missed if p in entry_of}
         for s, p in zip(victims, missed, strict=True):
-            i = entry_of.get(p)
-            value[s] = min(hit + (self.GHOST_WEIGHT_QUARTERS * ghosts[i][1] // 4 if i is not None else 0), hit << shift)
-            returned.add(i)
+            ghost = ghosts[entry_of[p]][1] if p in entry_of else 0
+            value[s] = min(hit + self.GHOST_WEIGHT_QUARTERS * ghost // 4, hit << shift)
         kept = ([entry for i, entry in enumerate(ghosts) if i not in returned] + evicted)[-len(order):]
         empty = [(-1, 0)] * (len(order) - len(kept))
         return victims, new_order, {"value": value, "ghost_pos": [p for p, _ in empty + kept],
