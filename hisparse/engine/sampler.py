@@ -14,20 +14,29 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        # Drop a token when the mass before it already reaches top_p; the first always stays (said, not
+        # computed: for a top_p below the dtype's smallest number the comparison alone would drop it too).
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [B, vocab] float32, one row per request."""
+    """logits: [B, vocab] float32, one row per request.
+
+    A sampled row is scaled in float64 after its largest logit is taken off: every value is then <= 0
+    whatever the temperature, so a temperature as small as the request may send (5e-324) cannot overflow
+    (in float32 any below about 1e-38 did, and the NaNs failed the whole batch's step), and the largest
+    logit always keeps probability > 0.
+    """
     tokens = logits.argmax(-1).tolist()
     for row, request in enumerate(requests):
         params = request.params
         if params.greedy:
             continue
-        scaled = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
+        shifted = logits[row].double() - logits[row].max().double()
+        scaled = _filter_top_k_top_p(shifted / params.temperature, params.top_k, params.top_p)
         probs = scaled.softmax(-1)
         tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator))
     return tokens

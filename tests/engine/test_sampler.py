@@ -1,0 +1,50 @@
+"""The sampler returns a token its filters keep for every value SamplingParams accepts, extremes included.
+
+A request's parameters are checked at the door, so whatever passes there must sample: a NaN in one row
+fails the whole batch's step (every request in it), which once happened for temperatures below 1e-38
+and top_p below float32's smallest number.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse.engine.request import Request
+from hisparse.engine.sampler import sample
+from hisparse.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+temperatures = st.one_of(st.sampled_from([5e-324, 1e-300, 1e-39, 1e-30, 1e-3, 1.0, 100.0]),
+                         st.floats(min_value=5e-324, max_value=100.0))
+top_ps = st.one_of(st.sampled_from([5e-324, 1e-300, 1e-45, 0.5, 1.0]), st.floats(min_value=5e-324, max_value=1.0))
+top_ks = st.one_of(st.just(-1), st.integers(min_value=1, max_value=VOCAB + 5))
+logit_rows = st.lists(st.floats(min_value=-1e4, max_value=1e4, width=32), min_size=VOCAB, max_size=VOCAB)
+
+
+@settings(max_examples=300, deadline=None)
+@given(temperature=temperatures, top_p=top_ps, top_k=top_ks, rows=st.lists(logit_rows, min_size=1, max_size=3),
+       seed=st.integers(min_value=0, max_value=2**32))
+def test_every_accepted_parameter_samples_a_kept_token(temperature, top_p, top_k, rows, seed):
+    logits = torch.tensor(rows, dtype=torch.float32)
+    requests = [Request([1], SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i))
+                for i in range(len(rows))]
+    tokens = sample(logits, requests)
+    for row, token in zip(logits, tokens, strict=True):
+        assert 0 <= token < VOCAB
+        if top_k > 0:  # top-k keeps the k largest (and ties with the k-th)
+            assert row[token] >= torch.topk(row, min(top_k, VOCAB)).values[-1]
+
+
+@given(temperature=st.sampled_from([5e-324, 1e-300, 1e-39]), top_p=top_ps,
+       rows=st.lists(logit_rows, min_size=1, max_size=3))
+def test_a_vanishing_temperature_or_top_p_samples_the_largest_logit(temperature, top_p, rows):
+    logits = torch.tensor(rows, dtype=torch.float32)
+    requests = [Request([1], SamplingParams(temperature=temperature, top_p=top_p, seed=i)) for i in range(len(rows))]
+    for row, token in zip(logits, sample(logits, requests), strict=True):
+        assert row[token] == row.max()
+    tiny_top_p = [Request([1], SamplingParams(temperature=1.0, top_p=5e-324, seed=i)) for i in range(len(rows))]
+    for row, token in zip(logits, sample(logits, tiny_top_p), strict=True):
+        assert row[token] == row.max()
