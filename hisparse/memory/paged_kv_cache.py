@@ -90,8 +90,12 @@ class PagedKVCache:
     @classmethod
     def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu",
                     sparse: SparseDecode | None = None):
-        """As many token slots as the budget buys; with an indexer each token also costs its index keys."""
+        """As many token slots as the budget buys; with an indexer each token also costs its index keys. A
+        budget that buys none is refused here: a server started with it would refuse every request."""
         per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_key)
+        if budget_bytes < per_token:
+            raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys no token slot: one token's K/V "
+                             f"takes {per_token} bytes on the device; raise the device KV budget")
         return cls(layout, budget_bytes // per_token, scale, device, sparse)
 
     @property

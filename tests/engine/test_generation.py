@@ -113,6 +113,12 @@ def test_admission_is_bounded_by_the_budget_and_nothing_leaks(llama, tokenizer):
         llm.generate([[1] * 60], GREEDY)
 
 
+def test_a_budget_that_buys_no_token_is_refused_at_start(llama, tokenizer):
+    # A server started with it would refuse every request, each with a 400 blaming the client.
+    with pytest.raises(ValueError, match="buys no token slot"):
+        make_llm(llama, tokenizer, device_kv_budget=1)
+
+
 def test_abort_frees_memory(llm):
     engine = llm.engine
     request = engine.add_request(PROMPTS[0], GREEDY)
