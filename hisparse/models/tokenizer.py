@@ -13,6 +13,7 @@ digits (two spaces before a digit, "  1", is the common case); on text without d
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -328,6 +329,19 @@ class Tokenizer:
         add_special_tokens adds only what the model file asks for; for SmolLM2 that is nothing.
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for, plus one (a decoder may drop a leading
+        space from a token decoded alone, as SentencePiece's do)."""
+        texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(len(text.encode("utf-8")) for text in texts) + 1
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, found without encoding: each token stands for at most
+        `max_token_bytes` bytes of the text. Encoding holds the GIL (about 1 s per MB here), so a server
+        refuses a text that cannot fit its context with this instead of stalling every other request."""
+        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -50,12 +50,14 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 counted: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.counted = counted  # the engine thread has counted it already (a request that failed in the engine)
 
     def body(self) -> ErrorResponse:
         kind = ("rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500
@@ -96,6 +98,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"missing required field {param!r}" if param else "missing request body", param,
                         code="missing_field")
     got = error.get("input")
+    if isinstance(got, bytes):  # FastAPI parses a body as JSON only when its Content-Type says so
+        return APIError(400, "the request body must be a JSON object sent with Content-Type: application/json",
+                        code="invalid_json")
     shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
     code = "invalid_type" if str(error.get("type", "")).endswith("_type") else "invalid_value"
     return APIError(400, f"{param or 'request body'}: {error.get('msg', 'invalid value')} (got {shown})", param,
@@ -149,7 +154,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
     # -- errors ---------------------------------------------------------------------------------------
 
     def reject(error: APIError) -> JSONResponse:
-        metrics.rejected.labels(str(error.status)).inc()
+        if not error.counted:
+            metrics.rejected.labels(str(error.status)).inc()
         return error.response()
 
     @app.exception_handler(RequestValidationError)
@@ -193,6 +199,14 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             if param == "max_tokens" and max_tokens_param != "max_tokens":
                 param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
             raise APIError(400, message, param) from None
+
+    def check_fits(text: str, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: tokenizing holds the GIL (about a
+        second per MB), so a multi-megabyte prompt stalled every other request's stream while it ran."""
+        at_least = tokenizer.min_tokens(text)
+        if at_least >= max_model_len:
+            raise APIError(400, f"{param} is at least {at_least} tokens, which leaves no room for max_tokens in the "
+                                f"model's context length of {max_model_len} tokens", param, "context_length_exceeded")
 
     @asynccontextmanager
     async def abort_on_disconnect(stream: RequestStream, raw: Request):
@@ -239,7 +253,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 elif event.message.startswith("prompt"):
                     param = prompt_param
                 code = "context_length_exceeded" if "exceeds" in event.message else None
-            raise APIError(event.status, event.message, param, code)
+            raise APIError(event.status, event.message, param, code, counted=event.status >= 500)
         assert isinstance(event, Accepted)
         return stream, event.prompt_tokens
 
@@ -256,7 +270,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 while True:
                     event = await next_event(stream)
                     if isinstance(event, Failed):
-                        raise APIError(event.status, event.message)
+                        raise APIError(event.status, event.message, counted=event.status >= 500)
                     assert isinstance(event, Delta)
                     parts.append(event.text)
                     if event.finish_reason is not None:
@@ -321,6 +335,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
             prompt = prompt[0]
+        if isinstance(prompt, str):
+            check_fits(prompt, "prompt")
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, "max_tokens")
@@ -350,6 +366,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         check_common(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
+        check_fits("".join(m["content"] for m in messages), "messages")
         try:
             prompt_ids = tokenizer.encode_chat(messages)
         except ValueError as error:

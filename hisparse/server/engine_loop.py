@@ -149,8 +149,15 @@ class EngineLoop:
         return self._in_flight
 
     def num_queued(self) -> int:
-        """Requests the server holds that are not in the running batch yet."""
-        return max(0, self._in_flight - self._stats.get("running", 0))
+        """Requests the server holds that will wait for a running slot: those the engine's latest step left
+        waiting, and of those submitted since, the ones beyond the batch's free places. (Counting every request
+        the latest step has not seen as waiting refused most of a burst at an idle server with 429.) While
+        some wait, memory is what holds them back, so none of the newcomers is counted as running."""
+        stats = self._stats
+        running, waiting = stats.get("running", 0), stats.get("waiting", 0)
+        newcomers = max(0, self._in_flight - running - waiting)
+        free = 0 if waiting else max(0, self.engine.scheduler.max_running_requests - running)
+        return waiting + max(0, newcomers - free)
 
     def _ended(self) -> None:
         with self._lock:

@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer
+
+
+def _encodable(text: str) -> str:
+    """JSON can spell a lone UTF-16 surrogate ("\\ud800"), which is no character: the tokenizer cannot take
+    it, so it is refused here, naming its field, rather than failing deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"must be valid Unicode text, but holds a lone surrogate at index {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class _Request(BaseModel):
@@ -31,7 +44,7 @@ class _SamplingFields(_Request):
     top_p: float | None = None
     n: int = 1
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int | None = None
@@ -41,19 +54,19 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)

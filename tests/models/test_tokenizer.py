@@ -233,3 +233,12 @@ def test_property_round_trip_and_stream(tok: Tokenizer, text: str) -> None:
 def test_property_stream_of_arbitrary_ids(tok: Tokenizer, ids: list[int], skip: bool) -> None:
     """Sampling can produce byte sequences that are not UTF-8 at all; the stream must still add up."""
     assert "".join(stream(tok, ids, skip_special_tokens=skip)) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@FAST
+@given(pieces=st.lists(st.one_of(st.sampled_from(SAMPLES + ["\n" + " " * 80, "#" * 80, "<|im_end|>", "=" * 200]),
+                                 st.text(max_size=40)), max_size=12))
+def test_min_tokens_never_exceeds_the_real_count(tok, pieces):
+    # The server refuses a prompt by this bound before tokenizing it, so it must never overshoot.
+    text = "".join(pieces)
+    assert tok.min_tokens(text) <= len(tok.encode(text))

@@ -7,7 +7,9 @@ token counts exact. Generations are a few tokens long to keep the module fast on
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import httpx
@@ -183,6 +185,14 @@ BAD_INPUTS = {
     "chat_over_context": ("chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, 400,
                           "messages", "context length"),
     "unknown_model": ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    # JSON can spell a lone UTF-16 surrogate, which no tokenizer takes (it was a 500 with a traceback)
+    "prompt_lone_surrogate": ("completions", '{"model": "test-model", "prompt": "\\ud800 x"}', 400, "prompt",
+                              "surrogate"),
+    "chat_lone_surrogate": ("chat/completions",
+                            '{"model": "test-model", "messages": [{"role": "user", "content": "x\\udfff"}]}',
+                            400, "messages[0].content", "surrogate"),
+    "stop_lone_surrogate": ("completions", '{"model": "test-model", "prompt": "x", "stop": ["\\ud83d"]}', 400,
+                            "stop[0]", "surrogate"),
 }
 
 
@@ -202,6 +212,42 @@ def test_bad_input_is_a_named_400_and_the_server_still_serves(server, client, re
     assert error["param"] == param
     assert word in error["message"], error["message"]
     assert_still_serves(client, reference)
+
+
+def test_a_body_sent_without_a_json_content_type_is_told_so(server, client, reference):
+    body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT})
+    response = httpx.post(f"{server.v1}/completions", content=body, headers={"content-type": "text/plain"})
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+    assert_still_serves(client, reference)
+
+
+def test_a_megabyte_prompt_is_refused_without_being_tokenized(server, client, reference, tokenizer, monkeypatch):
+    """Tokenizing holds the GIL (about a second per MB): a prompt that cannot fit is refused by its length."""
+    encode = tokenizer.encode
+
+    def encode_short_only(text, *args, **kwargs):
+        assert len(text) < 1 << 20, "a megabyte prompt reached the tokenizer"
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode_short_only)
+    huge = "hello world " * 200_000
+    for endpoint, body, param in [("completions", {"prompt": huge}, "prompt"),
+                                  ("chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages")]:
+        response = httpx.post(f"{server.v1}/{endpoint}", json={"model": MODEL_NAME, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+        assert "context length" in error["message"]
+    assert_still_serves(client, reference)
+
+
+def test_vanishing_temperature_or_top_p_samples_greedily(client, reference):
+    # Accepted at the door, so they must sample: below about 1e-38 they once overflowed float32, and the NaN
+    # failed every request in the step with a 500.
+    for extreme in ({"temperature": 1e-300}, {"temperature": 5e-39, "top_p": 1e-300}, {"top_p": 5e-324}):
+        out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, seed=1, **extreme)
+        assert out.choices[0].text == reference, extreme
 
 
 def test_openai_client_sees_unknown_model_as_not_found(client, reference):
@@ -240,7 +286,10 @@ def test_engine_failure_fails_only_its_requests(server, client, reference, monke
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, seed=666)
     assert server.engine_loop.alive
     assert_still_serves(client, reference)
-    assert metric_values(server.base_url)['hisparse_requests_total{finish_reason="error"}'] >= 2
+    metrics = metric_values(server.base_url)
+    assert metrics['hisparse_requests_total{finish_reason="error"}'] >= 2
+    # ... and not again as refused at the door: they reached the engine
+    assert metrics.get('hisparse_requests_rejected_total{status="500"}', 0) == 0
 
 
 # -- disconnects and overload ---------------------------------------------------------------------------
@@ -293,6 +342,23 @@ def test_more_requests_than_the_queue_holds_get_429_at_once(server, client, refe
         assert info.value.code == "queue_full" and "max-queued-requests" in info.value.message
     server.wait_idle()  # closing the four streams aborted them all
     assert_still_serves(client, reference)
+
+
+def test_a_burst_at_an_idle_server_runs_and_queues_without_429(server, reference):
+    """Two run and two may wait: a burst of four at an idle server is all served, although the engine has not
+    seen any of them when the last arrives (counting those as waiting refused half of such a burst)."""
+    server.wait_idle()
+    start = threading.Barrier(4)
+
+    def one() -> int:
+        start.wait()
+        return httpx.post(f"{server.v1}/completions", timeout=120,
+                          json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda _: one(), range(4)))
+    assert statuses == [200] * 4
+    server.wait_idle()
 
 
 def test_metrics_report_serving_and_memory(server, client):
