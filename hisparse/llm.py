@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -22,10 +23,12 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        try:
-            config = EngineConfig(model=model, **engine_args)
-        except TypeError as error:
-            raise ValueError(f"unknown engine argument: {error}") from None
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument {', '.join(map(repr, unknown))}; the engine takes "
+                             f"{', '.join(sorted(known - {'model'}))}")
+        config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
@@ -44,15 +47,14 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 requests.append(self.engine.add_request(prompt, p or SamplingParams()))
-        except ValueError:
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                while any(not r.finished for r in requests):
+                    bar.update(sum(r.finished for r in self.engine.step()))
+        except BaseException:  # a refused prompt, a failed step, Ctrl-C: none may keep memory or poison the engine
             for request in requests:
-                self.engine.abort(request.request_id)
+                if not request.finished:
+                    self.engine.abort(request.request_id)
             raise
-        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
-        while any(not r.finished for r in requests):
-            done = sum(r.finished for r in self.engine.step())
-            bar.update(done)
-        bar.close()
         return [RequestOutput(r.request_id, r.prompt_token_ids, r.output_text, list(r.output_token_ids),
                               r.finish_reason) for r in requests]
 
@@ -61,6 +63,9 @@ class LLM:
         """messages: one conversation (a list of {role, content}) or a list of conversations."""
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
+        if not (isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages)):
+            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or "
+                             f"a non-empty list of conversations, got {type(messages).__name__}")
         prompts = [self.tokenizer.encode_chat(conversation) for conversation in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

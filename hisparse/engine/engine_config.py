@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
+        for name in ("model", "topk_trace_dir"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), (str, os.PathLike))):
+                raise ValueError(f"{name} must be a path, got {getattr(self, name)!r}")
         positive_int("max_running_requests")
         positive_int("chunked_prefill_size")
         positive_int("top_k")
@@ -44,8 +48,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense_layers is not None:
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.dense_layers):
-                raise ValueError(f"dense_layers must be layer numbers >= 0, got {self.dense_layers!r}")
+            if not (isinstance(self.dense_layers, (list, tuple)) and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.dense_layers)):
+                raise ValueError(f"dense_layers must be a list of layer numbers >= 0, got {self.dense_layers!r}")
             self.dense_layers = tuple(self.dense_layers)
         if self.swap_in_backend not in ("auto", "cpu", "reference", "triton"):
             raise ValueError(f"swap_in_backend must be auto, cpu, reference or triton, got {self.swap_in_backend!r}")
@@ -56,6 +61,8 @@ class EngineConfig:
             self.top_k = self.hisparse_config.top_k
             if not self.sparse_attention:
                 raise ValueError("enable_hisparse needs sparse_attention: dense decode reads every token")
+            if self.record_topk:  # traces are the indexer's choices, the same with the memory hierarchy or not
+                raise ValueError("record_topk records from the baseline cache: record with enable_hisparse off")
         elif self.hisparse_config is not None:
             raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.model_runner import ModelRunner
@@ -60,7 +61,13 @@ class LLMEngine:
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
+        if self.config.topk_trace_dir is not None:  # found unwritable now, not when the first request ends
+            try:
+                Path(self.config.topk_trace_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise ValueError(f"topk_trace_dir {str(self.config.topk_trace_dir)!r} cannot be created: "
+                                 f"{error.strerror}") from None
 
     def _sparse_decode(self) -> SparseDecode | None:
         """Sparse decode settings when the model has lightning indexers (else None: a dense model)."""
@@ -81,9 +88,14 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if request_id is not None and request_id in self._detokenizers:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         ids = self._prompt_ids(prompt)
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
         request.record_topk = self.config.record_topk if record_topk is None else record_topk
+        if request.record_topk and self.config.enable_hisparse:
+            raise ValueError("record_topk records from the baseline cache: record with enable_hisparse off")
         if request.max_total_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context length of {self.max_model_len} tokens")
@@ -156,13 +168,15 @@ class LLMEngine:
         if token in stop_ids:
             return self._finish(request, "stop")
         detok = self._detokenizers[request.request_id]
+        checked = len(request.output_text)
         request.output_text += detok.add_token(token)
-        for stop in params.stop:
-            # Only the tail can hold a new match: the text before it was checked last time.
-            cut = request.output_text.find(stop, max(0, len(request.output_text) - len(stop) - 32))
-            if cut >= 0:
-                request.output_text = request.output_text[:cut]
-                return self._finish(request, "stop", flush=False)
+        # A new match ends in the new text (the text before it was checked last time), however long that is:
+        # one token can be 80 characters. The earliest match of any stop string wins.
+        cuts = [request.output_text.find(stop, max(0, checked - len(stop) + 1)) for stop in params.stop]
+        cut = min((c for c in cuts if c >= 0), default=-1)
+        if cut >= 0:
+            request.output_text = request.output_text[:cut]
+            return self._finish(request, "stop", flush=False)
         if len(request.output_token_ids) >= params.max_tokens:
             self._finish(request, "length")
 

@@ -17,15 +17,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
         self.validate()
 
     def validate(self) -> None:
+        """Check every field and make `stop` a list. The engine calls it again when a request is added: the
+        object may have been changed since (`params.max_tokens = -5` once reached the allocator)."""
         def check(ok: bool, name: str, why: str) -> None:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = [self.stop] if self.stop else []
+        check(isinstance(self.stop, (list, tuple)), "stop", "must be a string or a list of strings")
+        self.stop = list(self.stop)
 
         check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
               and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")

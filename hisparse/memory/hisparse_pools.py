@@ -35,7 +35,7 @@ from hisparse.kernels.swap_in import bound_swap_in
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
-from hisparse.memory.host_memory import host_empty
+from hisparse.memory.host_memory import GIB, available_host_memory, host_empty
 from hisparse.memory.indexer_cache import IndexerKeyCache
 from hisparse.memory.slot_allocator import SlotAllocator
 
@@ -83,21 +83,6 @@ class SwapInCounters:
             "per_layer": {"hits": hits.tolist(), "misses": misses.tolist(), "evictions": evictions.tolist(),
                           "bytes_host_to_device": bytes_h2d.tolist(), "swap_in_seconds": self.seconds.tolist()},
         }
-
-
-GIB = 1 << 30
-
-
-def available_host_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass
@@ -149,14 +134,22 @@ class HiSparsePools:
         buffer = config.device_buffer_size
         if self.device_slots < buffer + 1:
             raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys {self.device_slots} hot slots, "
-                             f"fewer than one request's buffer ({buffer} + 1); raise the budget")
+                             f"fewer than one request's buffer ({buffer} + 1): each slot costs {self.cell_bytes} "
+                             f"bytes, its row in {num_layers} layers and the indexer keys of host_to_device_ratio "
+                             f"({ratio}) tokens; raise the budget or lower host_to_device_ratio")
+        # A request holds at least one device slot, so no more than device_slots can ever be admitted: the
+        # slot tables need no more rows (host_rows alone is rows x max_context int64).
+        max_requests = min(max_requests, self.device_slots)
         host_bytes = num_layers * self.logical_capacity * self.row_bytes
+        # On the CPU the "device" pools are host memory too.
+        needed = host_bytes + (budget_bytes if device == "cpu" else 0)
         available = available_host_memory()
-        if available is not None and host_bytes > available:
+        if available is not None and needed > available:
             raise ValueError(f"the host pool needs {host_bytes / GIB:.1f} GiB (host_to_device_ratio {ratio} x "
-                             f"{self.device_slots} device slots x {num_layers} layers x {self.row_bytes} B) but "
-                             f"this machine has {available / GIB:.1f} GiB available; lower host_to_device_ratio "
-                             f"or the device KV budget")
+                             f"{self.device_slots} device slots x {num_layers} layers x {self.row_bytes} B)"
+                             + (f" and the device pools {budget_bytes / GIB:.1f} GiB" if device == "cpu" else "")
+                             + f", but this machine has {available / GIB:.1f} GiB available; lower "
+                             f"host_to_device_ratio or the device KV budget")
         pin = device != "cpu" and torch.cuda.is_available()
         self.device_kv = torch.zeros(num_layers, self.device_slots, row_width, dtype=row_dtype, device=device)
         # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and
@@ -205,9 +198,18 @@ class HiSparsePools:
             raise ValueError(f"a request must hold between 1 and {self.max_context} tokens (max_context), "
                              f"got {total_tokens}")
         device, logical = self._needs(total_tokens)
-        row = int(self.row_allocator.allocate(1)[0])
-        alloc = HiSparseAllocation(row, self.device_allocator.allocate(device), self.host_allocator.allocate(logical),
-                                   self.index_cache.allocator.allocate(logical))
+        taken = []  # (allocator, slots): given back if a later allocation fails, so a refusal leaks nothing
+        try:
+            for allocator, count in ((self.row_allocator, 1), (self.device_allocator, device),
+                                     (self.host_allocator, logical), (self.index_cache.allocator, logical)):
+                taken.append((allocator, allocator.allocate(count)))
+        except Exception:
+            for allocator, slots in taken:
+                allocator.free(slots)
+            raise
+        rows, device_rows, host_rows, index_slots = (slots for _, slots in taken)
+        row = int(rows[0])
+        alloc = HiSparseAllocation(row, device_rows, host_rows, index_slots)
         hot = alloc.device_rows[:self.config.device_buffer_size]
         self.device_rows[row, :hot.size] = torch.from_numpy(hot)
         self.host_rows[row, :logical] = torch.from_numpy(alloc.host_rows)

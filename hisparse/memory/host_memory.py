@@ -21,8 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
+GIB = 1 << 30
 HUGE_PAGE_BYTES = 2 << 20
 PAGE_KINDS = ("huge", "small")
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, pages: str = "huge") -> torch.Tensor:

@@ -20,6 +20,7 @@ from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request
 from hisparse.layers.attention import causal_attention
 from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.host_memory import GIB, available_host_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
 from hisparse.memory.rows import attend_rows, gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -96,7 +97,12 @@ class PagedKVCache:
         if budget_bytes < per_token:
             raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys no token slot: one token's K/V "
                              f"takes {per_token} bytes on the device; raise the device KV budget")
-        return cls(layout, budget_bytes // per_token, scale, device, sparse)
+        num_slots = budget_bytes // per_token
+        available = available_host_memory() if device == "cpu" else None  # on the CPU the pool is host memory
+        if available is not None and num_slots * per_token > available:
+            raise ValueError(f"the device KV budget ({budget_bytes / GIB:.1f} GiB) is more than this machine has "
+                             f"available ({available / GIB:.1f} GiB); lower the device KV budget")
+        return cls(layout, num_slots, scale, device, sparse)
 
     @property
     def capacity_tokens(self) -> int:

@@ -119,6 +119,75 @@ def test_a_budget_that_buys_no_token_is_refused_at_start(llama, tokenizer):
         make_llm(llama, tokenizer, device_kv_budget=1)
 
 
+def test_a_budget_beyond_the_machine_is_refused_at_start(llama, tokenizer, monkeypatch):
+    from hisparse.memory import paged_kv_cache
+
+    monkeypatch.setattr(paged_kv_cache, "available_host_memory", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="device KV budget .* more than this machine has available"):
+        make_llm(llama, tokenizer, device_kv_budget=64 << 20)
+
+
+LONG_TOKEN = 45855  # one token of 80 "#": a stop string can begin anywhere inside it
+
+
+def test_a_stop_string_inside_a_long_token_is_found_and_the_earliest_wins(llm):
+    prompt = (llm.tokenizer.encode("a") + [LONG_TOKEN]) * 12  # greedy decoding continues the pattern
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].text
+    assert "a" + "#" * 80 + "a" in free  # the long token comes, so the stops below start inside it
+    for stop in (["a#"], ["#"], ["##", "a###"], ["#" * 79 + "a"], ["#a", "a#"]):
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, stop=stop))[0]
+        earliest = min(free.find(s) for s in stop if s in free)
+        assert (out.finish_reason, out.text) == ("stop", free[:earliest]), stop
+
+
+def test_a_request_is_checked_as_it_is_added(llm):
+    params = SamplingParams(max_tokens=4)
+    params.max_tokens = -5  # changed after its own checks: it once reached the allocator and broke the engine
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.engine.add_request(PROMPTS[0], params)
+    params.max_tokens, params.stop = 4, "ab"  # one stop string, not two of one character
+    assert llm.engine.add_request(PROMPTS[0], params, request_id="same").params.stop == ["ab"]
+    with pytest.raises(ValueError, match="request_id 'same' is already in use"):
+        llm.engine.add_request(PROMPTS[1], GREEDY, request_id="same")
+    with pytest.raises(ValueError, match="stop must be a string or a list"):
+        SamplingParams(stop=5)
+    llm.engine.abort("same")
+    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished
+
+
+def test_a_failed_step_leaves_nothing_behind(llm, monkeypatch):
+    real_run, calls = llm.engine.runner.run, []
+
+    def failing_run(batch):
+        calls.append(1)
+        if len(calls) == 2:  # after the first step: the requests hold memory and have computed tokens
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "run", failing_run)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(PROMPTS, GREEDY)
+    monkeypatch.undo()
+    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"dense_layers": 5}, "dense_layers must be a list"), ({"model": 5}, "model must be a path"),
+    ({"max_runing_requests": 4}, "unknown engine argument 'max_runing_requests'; the engine takes"),
+    ({"record_topk": True, "enable_hisparse": True}, "record_topk records from the baseline cache"),
+])
+def test_bad_engine_arguments_name_the_field(args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**args)
+
+
+@pytest.mark.parametrize("messages", [None, {"role": "user", "content": "hi"}, [], ["hi"]])
+def test_chat_refuses_what_is_not_a_conversation(llm, messages):
+    with pytest.raises(ValueError, match="messages must be a conversation"):
+        llm.chat(messages)
+
+
 def test_abort_frees_memory(llm):
     engine = llm.engine
     request = engine.add_request(PROMPTS[0], GREEDY)

@@ -29,7 +29,7 @@ def prompts(tokenizer):
 
 
 def engine(llama, tokenizer, **kwargs) -> LLMEngine:
-    config = EngineConfig(top_k=TOP_K, chunked_prefill_size=128, max_running_requests=8, **kwargs)
+    config = EngineConfig(**{"top_k": TOP_K, "chunked_prefill_size": 128, "max_running_requests": 8, **kwargs})
     return LLMEngine(config, model=llama, tokenizer=tokenizer)
 
 
@@ -145,6 +145,34 @@ def test_a_host_pool_larger_than_the_machine_is_refused_before_allocating(llama,
         hisparse_engine(llama, tokenizer)
     monkeypatch.undo()
     assert hisparse_pools.available_host_memory() > 1 << 30  # the real figure, read from /proc/meminfo
+
+
+def test_a_budget_eaten_by_the_ratio_says_so(llama, tokenizer):
+    # Each hot slot pays for host_to_device_ratio tokens' indexer keys: a huge ratio leaves no buffer.
+    with pytest.raises(ValueError, match=r"host_to_device_ratio \(5000\) tokens; raise the budget or lower"):
+        engine(llama, tokenizer, enable_hisparse=True, device_kv_budget=BUDGET,
+               hisparse_config={"device_buffer_size": BUFFER, "host_to_device_ratio": 5000})
+
+
+def test_slot_tables_have_no_more_rows_than_requests_can_be_admitted(llama, tokenizer, prompts):
+    # Each request holds a device slot, so a huge max_running_requests must not size the tables (host_rows
+    # alone is rows x max_context int64: 65 GB for a million rows).
+    e = hisparse_engine(llama, tokenizer, max_running_requests=10**6)
+    assert e.cache.row_allocator.num_slots == e.cache.device_slots < 10**6
+    generate(e, prompts[:2])
+    assert_all_free(e)
+
+
+def test_a_failed_allocation_gives_back_what_it_took(llama, tokenizer, prompts, monkeypatch):
+    e = hisparse_engine(llama, tokenizer)
+    monkeypatch.setattr(e.cache.host_allocator, "allocate", lambda n: (_ for _ in ()).throw(RuntimeError("full")))
+    with pytest.raises(RuntimeError, match="full"):
+        e.cache.allocate(100)
+    monkeypatch.undo()
+    assert_all_free(e)
+    with pytest.raises(ValueError, match="record_topk"):
+        e.add_request(prompts[0], PARAMS, record_topk=True)
+    assert_all_free(e)
 
 
 @pytest.mark.parametrize("value, field", [
