@@ -42,9 +42,9 @@ from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
 from hisparse.bench.serving_server import ServerProcess, wait_ready
+from hisparse.cli_args import positive_float, positive_int, size_flag
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.server.args import positive_float, positive_int, size_flag
 
 MODES = ("baseline", "hisparse")
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream

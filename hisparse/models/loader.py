@@ -39,15 +39,26 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def read_model_config(model: str | Path | None = None) -> LlamaConfig:
+    """The model's config without its weights (GGUF metadata or config.json): what a command needs to check
+    its flags (a prompt longer than the context) before spending seconds on loading."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _hf_config(path)
+    import gguf
 
+    from hisparse.models.gguf_loader import read_config
+
+    return read_config(gguf.GGUFReader(str(path)))
+
+
+def _hf_config(folder: Path) -> LlamaConfig:
     cfg = json.loads((folder / "config.json").read_text())
     archs = cfg.get("architectures") or []
     if "LlamaForCausalLM" not in archs:
         raise ValueError(f"'{folder}' is {archs}; this loader reads LlamaForCausalLM directories")
     heads = cfg["num_attention_heads"]
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -62,6 +73,12 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else None,
     )
+
+
+def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = _hf_config(folder)
     state: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:

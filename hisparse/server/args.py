@@ -12,27 +12,10 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from hisparse.cli_args import OneLineParser, positive_int, size_flag
 from hisparse.engine.engine_config import DTYPES, EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-_UNITS = {"": 1, "b": 1,
-          "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-          "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-          "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1073741824' -> bytes. Bare K/M/G/T are binary, as in `free -h`."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use bytes or e.g. 512MiB, 2GiB, 1.5GB)")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size < 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return size
 
 
 @dataclass
@@ -79,35 +62,6 @@ class ServerArgs:
         return path.stem if path.is_file() else path.name
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints the whole usage before its error; a server operator wants just the error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -118,17 +72,9 @@ def _port(text: str) -> int:
     return value
 
 
-def size_flag(text: str) -> int:
-    """argparse type: bytes or a size such as 512MiB (`parse_size`)."""
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.ArgumentParser:
     d = ServerArgs()
-    ap = _OneLineParser(prog=prog, description="OpenAI-compatible HTTP server for hisparse.",
+    ap = OneLineParser(prog=prog, description="OpenAI-compatible HTTP server for hisparse.",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model-path", "--model", dest="model_path", default=d.model_path,
                     help="GGUF file or Hugging Face Llama folder (default: the embedded SmolLM2-135M-Instruct)")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hisparse.cli import main as cli_main
+from hisparse.cli_args import parse_size
 from hisparse.launch_server import main as launch_main
-from hisparse.server.args import ServerArgs, parse_args, parse_size
+from hisparse.server.args import ServerArgs, parse_args
 
 
 @pytest.mark.parametrize("text, size", [
