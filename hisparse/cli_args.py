@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,23 +124,33 @@ def existing_file(text: str) -> Path:
 
 
 def output_dir(text: str) -> Path:
-    """argparse type: a folder results can be written into, created now (found unwritable before the work)."""
+    """argparse type: a folder results can be written into, created now and written to once (found unwritable
+    before the work, not after it; `os.access` would say yes to root even in /proc)."""
     path = Path(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
     except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot create folder {text!r}: {error.strerror}") from None
-    if not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into folder {text!r}")
+        raise argparse.ArgumentTypeError(f"cannot write into folder {text!r}: {error.strerror}") from None
     return path
 
 
 def output_file(text: str) -> Path:
-    """argparse type: a file path that can be written (its folder created now), not a folder."""
+    """argparse type: a file that can be written, not a folder: its folder is created and the file opened for
+    appending now (a file made only for this is removed again)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     output_dir(str(path.parent))
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {error.strerror}") from None
+    if not existed:
+        path.unlink()
     return path
 
 

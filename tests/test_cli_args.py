@@ -30,8 +30,8 @@ from hisparse.cli_args import (
     (comma_list(positive_int), "1,x", "not an integer"), (comma_list(one_of("lru", "fifo")), "lru,mru", "'mru'"),
     (json_object, "{bad", "not valid JSON"), (json_object, "[1]", "JSON object"),
     (existing_file, "/nonexistent/file", "not a file"), (existing_file, "/tmp", "a directory"),
-    (output_dir, "/proc/x", "cannot create folder"), (output_file, "/tmp", "a folder"),
-    (output_file, "/proc/x/y.json", "cannot create folder"),
+    (output_dir, "/proc/x", "cannot write into folder"), (output_file, "/tmp", "a folder"),
+    (output_file, "/proc/x/y.json", "cannot write into folder"), (output_file, "/proc/x", "cannot write"),
 ])
 def test_a_bad_value_is_refused_naming_it(parse, text, word):
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(word)):

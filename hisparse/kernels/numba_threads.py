@@ -38,7 +38,11 @@ def _load_tbb() -> bool:
 
 
 def choose_threading_layer() -> str:
-    """Set numba's threading layer (before its first parallel loop) and return it."""
-    if "NUMBA_THREADING_LAYER" not in os.environ:
+    """Set numba's threading layer (before its first parallel loop) and return it; a user who chose tbb gets the
+    wheel's library loaded too (numba would not find it and fail at the first parallel loop)."""
+    chosen = os.environ.get("NUMBA_THREADING_LAYER")
+    if chosen is None:
         numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
+    elif chosen == "tbb":
+        _load_tbb()
     return numba.config.THREADING_LAYER

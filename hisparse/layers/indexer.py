@@ -30,8 +30,8 @@ from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2_indexer.safetensors"
 
-__all__ = ["IndexerConfig", "LlamaIndexer", "attach_indexers", "load_indexer_weights", "save_indexer_weights",
-           "index_scores", "select_topk", "SHIPPED_WEIGHTS"]
+__all__ = ["IndexerConfig", "LlamaIndexer", "attach_indexers", "check_indexer_weights", "load_indexer_weights",
+           "save_indexer_weights", "index_scores", "select_topk", "SHIPPED_WEIGHTS"]
 
 
 @dataclass
@@ -98,6 +98,25 @@ def save_indexer_weights(path: str | Path, indexers: list[LlamaIndexer], config:
     tensors = {f"layers.{i}.{name}": p.detach().to(dtype).contiguous()
                for i, indexer in enumerate(indexers) for name, p in indexer.state_dict().items()}
     save_file(tensors, str(path), metadata={"indexer_config": config.to_json(), **(extra or {})})
+
+
+def check_indexer_weights(path: str | Path, num_layers: int) -> None:
+    """ValueError unless `path` holds indexer weights (`save_indexer_weights`'s file) for `num_layers` layers:
+    a command checks its flags with it before it loads the model or captures anything."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            metadata, names = f.metadata() or {}, list(f.keys())
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{str(path)!r} is not a safetensors file ({error})") from None
+    try:
+        IndexerConfig.from_json(metadata["indexer_config"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{str(path)!r} has no indexer_config: not indexer weights") from None
+    layers = {name.split(".")[1] for name in names if name.startswith("layers.")}
+    if layers != {str(i) for i in range(num_layers)}:
+        raise ValueError(f"{str(path)!r} holds indexers of {len(layers)} layers; the model has {num_layers}")
 
 
 def load_indexer_weights(model, path: str | Path = SHIPPED_WEIGHTS) -> IndexerConfig:

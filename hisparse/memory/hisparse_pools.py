@@ -111,6 +111,55 @@ class DecodeStep:
         self.swap_reserved = self.device_write[self.swapping]
 
 
+@dataclass(frozen=True)
+class PoolSizing:
+    """The reference's sizing of the pools for a device budget: one device cell = layers x (row_bytes + ratio x
+    indexer_bytes), so the budget buys `device_slots` hot rows and `device_slots x ratio` logical tokens (host
+    rows and indexer keys). Its own class so that a caller can check a budget before building the pools (the
+    serving benchmark does, before it starts a server)."""
+
+    num_layers: int
+    row_bytes: int  # one token, one layer
+    index_row_bytes: int
+    config: HiSparseConfig
+    budget_bytes: int
+
+    @property
+    def cell_bytes(self) -> int:
+        return self.num_layers * (self.row_bytes + self.config.host_to_device_ratio * self.index_row_bytes)
+
+    @property
+    def device_slots(self) -> int:
+        return self.budget_bytes // self.cell_bytes
+
+    @property
+    def logical_capacity(self) -> int:
+        return self.device_slots * self.config.host_to_device_ratio
+
+    @property
+    def host_bytes(self) -> int:
+        return self.num_layers * self.logical_capacity * self.row_bytes
+
+    def check(self, device: str) -> None:
+        """ValueError, naming the fields, unless the budget buys one request's buffer and the pools fit in the
+        memory this machine has (on the CPU the "device" pools are host memory too)."""
+        ratio, buffer = self.config.host_to_device_ratio, self.config.device_buffer_size
+        if self.device_slots < buffer + 1:
+            raise ValueError(f"the device KV budget ({self.budget_bytes} bytes) buys {self.device_slots} hot slots, "
+                             f"fewer than one request's buffer ({buffer} + 1): each slot costs {self.cell_bytes} "
+                             f"bytes, its row in {self.num_layers} layers and the indexer keys of "
+                             f"host_to_device_ratio ({ratio}) tokens; raise the budget or lower host_to_device_ratio")
+        on_cpu = device == "cpu"
+        needed = self.host_bytes + (self.budget_bytes if on_cpu else 0)
+        available = available_host_memory()
+        if available is not None and needed > available:
+            raise ValueError(f"the host pool needs {self.host_bytes / GIB:.1f} GiB (host_to_device_ratio {ratio} x "
+                             f"{self.device_slots} device slots x {self.num_layers} layers x {self.row_bytes} B)"
+                             + (f" and the device pools {self.budget_bytes / GIB:.1f} GiB" if on_cpu else "")
+                             + f", but this machine has {available / GIB:.1f} GiB available; lower "
+                             f"host_to_device_ratio or the device KV budget")
+
+
 class HiSparsePools:
     """Device hot buffers, host pool, indexer keys, slot tables, eviction policies and counters.
 
@@ -127,29 +176,14 @@ class HiSparsePools:
         self.max_context = max_context
         self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
         self.index_row_bytes = index_key.row_bytes
-        ratio = config.host_to_device_ratio
-        self.cell_bytes = num_layers * (self.row_bytes + ratio * self.index_row_bytes)
-        self.device_slots = budget_bytes // self.cell_bytes
-        self.logical_capacity = self.device_slots * ratio
+        sizing = PoolSizing(num_layers, self.row_bytes, self.index_row_bytes, config, budget_bytes)
+        sizing.check(device)
+        self.cell_bytes, self.device_slots = sizing.cell_bytes, sizing.device_slots
+        self.logical_capacity = sizing.logical_capacity
         buffer = config.device_buffer_size
-        if self.device_slots < buffer + 1:
-            raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys {self.device_slots} hot slots, "
-                             f"fewer than one request's buffer ({buffer} + 1): each slot costs {self.cell_bytes} "
-                             f"bytes, its row in {num_layers} layers and the indexer keys of host_to_device_ratio "
-                             f"({ratio}) tokens; raise the budget or lower host_to_device_ratio")
         # A request holds at least one device slot, so no more than device_slots can ever be admitted: the
         # slot tables need no more rows (host_rows alone is rows x max_context int64).
         max_requests = min(max_requests, self.device_slots)
-        host_bytes = num_layers * self.logical_capacity * self.row_bytes
-        # On the CPU the "device" pools are host memory too.
-        needed = host_bytes + (budget_bytes if device == "cpu" else 0)
-        available = available_host_memory()
-        if available is not None and needed > available:
-            raise ValueError(f"the host pool needs {host_bytes / GIB:.1f} GiB (host_to_device_ratio {ratio} x "
-                             f"{self.device_slots} device slots x {num_layers} layers x {self.row_bytes} B)"
-                             + (f" and the device pools {budget_bytes / GIB:.1f} GiB" if device == "cpu" else "")
-                             + f", but this machine has {available / GIB:.1f} GiB available; lower "
-                             f"host_to_device_ratio or the device KV budget")
         pin = device != "cpu" and torch.cuda.is_available()
         self.device_kv = torch.zeros(num_layers, self.device_slots, row_width, dtype=row_dtype, device=device)
         # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and

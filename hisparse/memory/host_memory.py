@@ -38,6 +38,15 @@ def available_host_memory() -> int | None:
     return None
 
 
+def check_fits_in_memory(needed: int, what: str) -> None:
+    """ValueError when `needed` bytes exceed the memory the kernel says is available: found before the work,
+    not as a MemoryError (or the OOM killer) in the middle of it."""
+    available = available_host_memory()
+    if available is not None and needed > available:
+        raise ValueError(f"{what} need about {needed / GIB:.3g} GiB, more than the "
+                         f"{available / GIB:.3g} GiB of memory available")
+
+
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, pages: str = "huge") -> torch.Tensor:
     """An uninitialised host tensor; `pages="huge"` asks for 2 MiB pages (plain pages where refused),
     `pages="small"` is plain `torch.empty`: it asks for nothing (its memory may still land in a region
