@@ -1,4 +1,7 @@
-from hisparse.bench.missrate import main
+import sys
+
+from hisparse.bench.missrate import PROG, main
+from hisparse.cli_args import run_main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

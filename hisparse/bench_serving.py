@@ -3,7 +3,8 @@ sweep of concurrencies (see hisparse/bench/serving.py)."""
 
 import sys
 
-from hisparse.bench.serving import main
+from hisparse.bench.serving import PROG, main
+from hisparse.cli_args import run_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, prog=PROG))

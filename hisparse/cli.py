@@ -13,9 +13,12 @@ commands:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(USAGE, end="")
-        return 0 if argv else 2
+        return 0
+    if not argv:  # a mistake, so stderr, as argparse does: the usage, then the one line naming the problem
+        print(USAGE + "hisparse: error: a command is required (known: serve)", file=sys.stderr)
+        return 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
         from hisparse.launch_server import main as serve

@@ -15,20 +15,26 @@ the budget pays for is device memory the hot buffers do not get.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from tqdm import tqdm
 
+from hisparse.cli_args import OneLineParser, int_in, json_object, positive_int, run_main
 from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
+from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama
+from hisparse.models.loader import load_llama, read_model_config
 from hisparse.models.tokenizer import Tokenizer
+
+PROG = "python -m hisparse.demo"
+MAX_REQUESTS = 4096  # far more than this machine serves at once; a cap, so that a typo cannot build 10**12 prompts
 
 
 def chat(engine: LLMEngine, question: str) -> None:
@@ -58,47 +64,73 @@ def serve(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, l
             "swap_in": stats.get("swap_in"), "memory": stats["memory"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=2000)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--baseline-requests", type=int, default=2)
-    parser.add_argument("--hisparse-config",
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=8,
+                        help=f"requests served in each mode (at most {MAX_REQUESTS})")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=2000)
+    parser.add_argument("--output-tokens", type=int_in(2), default=32,
+                        help="at least 2: decode throughput is timed on the steps after a request's first token")
+    parser.add_argument("--baseline-requests", type=int_in(1, MAX_REQUESTS), default=2,
+                        help="size the device KV budget so that the baseline holds this many requests at once")
+    parser.add_argument("--hisparse-config", type=json_object,
                         default='{"top_k": 256, "device_buffer_size": 512, "host_to_device_ratio": 4}')
     parser.add_argument("--skip-chat", action="store_true")
+    return parser
+
+
+def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """Everything the flags can get wrong, found from the model's config before its weights load (a request
+    past the context failed after loading and warm-up). Returns the HiSparse engine's config, budget unset."""
+    try:
+        config = EngineConfig(max_running_requests=args.requests, enable_hisparse=True,
+                              hisparse_config=args.hisparse_config)
+    except ValueError as error:
+        parser.error(f"argument --hisparse-config: {error}")
+    mc = read_model_config(None)
+    request_tokens = args.prompt_tokens + args.output_tokens
+    if request_tokens > mc.max_position_embeddings:
+        parser.error(f"--prompt-tokens + --output-tokens = {request_tokens} exceeds the model's context "
+                     f"({mc.max_position_embeddings} tokens)")
+    # The engine refuses a budget beyond available memory, but only once the model is loaded; K/V alone
+    # (no indexer keys) is a lower bound of what the budget below will be.
+    least = args.baseline_requests * request_tokens * KVLayout(
+        mc.num_layers, mc.num_kv_heads, mc.head_dim, resolve_model_dtype()).bytes_per_token
+    try:
+        check_fits_in_memory(least, f"the device KV budget for --baseline-requests {args.baseline_requests} "
+                                    f"requests of {request_tokens} tokens")
+    except ValueError as error:
+        parser.error(str(error))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("requests", "prompt_tokens", "output_tokens", "baseline_requests"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+    config = check_workload(parser, args)
 
     path = default_model_path()
     print(f"loading {path.name} with its lightning indexers ...", flush=True)
     dtype = resolve_model_dtype()
     model, tokenizer = load_llama(path, dtype=dtype), Tokenizer.from_path(path)
     if getattr(model, "indexer_config", None) is None:
-        print("error: the shipped indexer weights are missing; run `python -m hisparse.train_indexer`", file=sys.stderr)
+        print(f"{PROG}: error: the shipped indexer weights are missing; run `python -m hisparse.train_indexer`",
+              file=sys.stderr)
         return 1
     if not args.skip_chat:
         chat(LLMEngine(EngineConfig(), model=model, tokenizer=tokenizer), "What is the capital of France?")
 
     prompts = [heldout_tokens(tokenizer, args.prompt_tokens, offset=97 * i) for i in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    try:
-        # What the baseline pays the device per token: K and V in the model's dtype (kv_cache_dtype "auto"), plus
-        # the indexer key.
-        mc = model.config
-        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-        per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
-        budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
-        hisparse_config = EngineConfig(device_kv_budget=budget, max_running_requests=args.requests,
-                                       enable_hisparse=True, hisparse_config=args.hisparse_config)
-        baseline_engine = LLMEngine(hisparse_config.without_hisparse(), model=model, tokenizer=tokenizer)
-        hisparse_engine = LLMEngine(hisparse_config, model=model, tokenizer=tokenizer)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    # What the baseline pays the device per token: K and V in the model's dtype (kv_cache_dtype "auto"), plus
+    # the indexer key. A budget the engines refuse (too few hot slots) is a ValueError: one line by run_main.
+    mc = model.config
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
+    budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
+    hisparse_config = dataclasses.replace(config, device_kv_budget=budget)
+    baseline_engine = LLMEngine(hisparse_config.without_hisparse(), model=model, tokenizer=tokenizer)
+    hisparse_engine = LLMEngine(hisparse_config, model=model, tokenizer=tokenizer)
     policy = hisparse_engine.cache.policies[0].name  # what runs ("auto" resolved for the device)
     print(f"\nworkload: {args.requests} requests x {args.prompt_tokens} prompt tokens (held-out Python docs) + "
           f"{args.output_tokens} output tokens; device KV budget {budget / 2**20:.0f} MiB for both; model in "
@@ -127,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, prog=PROG))

@@ -24,10 +24,16 @@ import math
 import sys
 from dataclasses import dataclass
 
+from hisparse.cli_args import OneLineParser, float_in, int_in, positive_float, positive_int, run_main
 from hisparse.memory.hisparse_config import HiSparseConfig
 
 GIB = 1 << 30
 FP8_BLOCK = 128
+PROG = "python -m hisparse.plan"
+# Caps on flags no model bounds, far above any machine of today: they only stop absurd figures.
+MAX_GPU_MEMORY_GB = 1024
+MAX_TP = 1024
+MAX_GPUS = 1 << 16
 
 
 class PlanError(ValueError):
@@ -56,6 +62,7 @@ class ModelShape:
     moe_intermediate_size: int
     intermediate_size: int
     first_k_dense_replace: int
+    context_length: int | None = None  # max_position_embeddings: input + output must fit (None: unchecked)
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str | None = None) -> ModelShape:
@@ -78,6 +85,7 @@ class ModelShape:
             moe_intermediate_size=cfg["moe_intermediate_size"],
             intermediate_size=cfg["intermediate_size"],
             first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
+            context_length=cfg.get("max_position_embeddings"),
         )
 
     def kv_bytes(self, kv_cache_dtype: str) -> int:
@@ -150,6 +158,7 @@ MODELS = {
         moe_intermediate_size=2048,
         intermediate_size=18432,
         first_k_dense_replace=3,
+        context_length=163840,
     ),
     "glm-5.1": ModelShape(
         name="glm-5.1",
@@ -170,6 +179,7 @@ MODELS = {
         moe_intermediate_size=2048,
         intermediate_size=12288,
         first_k_dense_replace=3,
+        context_length=202752,
     ),
 }
 
@@ -215,6 +225,12 @@ class CapacityPlan:
         return self.host_bytes_per_gpu * self.num_gpus
 
 
+def _check_positive(flag: str, value: float) -> None:
+    """A size in GiB must be a positive finite number: NaN passes every comparison and inf overflows `int`."""
+    if not (math.isfinite(value) and value > 0):
+        raise PlanError(f"--{flag} must be a positive finite number, got {value}")
+
+
 def plan_capacity(
     shape: ModelShape,
     hisparse: HiSparseConfig,
@@ -241,10 +257,18 @@ def plan_capacity(
         raise PlanError(f"--num-gpus {num_gpus} is not a multiple of --tp {tp}")
     if tp % dp:
         raise PlanError(f"--dp {dp} must divide --tp {tp} (attention data parallelism within the TP group)")
+    if tp // dp > shape.num_heads:
+        raise PlanError(f"--tp {tp} / --dp {dp} splits attention over {tp // dp} ranks, more than the "
+                        f"{shape.num_heads} attention heads of {shape.name}")
+    context = input_len + output_len
+    if shape.context_length is not None and context > shape.context_length:
+        raise PlanError(f"--input-len {input_len} + --output-len {output_len} = {context:,} tokens exceeds the "
+                        f"context of {shape.name} ({shape.context_length:,} tokens)")
     if not 0 < mem_fraction_static <= 1:
         raise PlanError(f"--mem-fraction-static must be in (0, 1], got {mem_fraction_static}")
-    if gpu_memory_gb <= 0:
-        raise PlanError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
+    _check_positive("gpu-memory-gb", gpu_memory_gb)
+    if host_memory_gb is not None:
+        _check_positive("host-memory-gb", host_memory_gb)
     if hisparse.device_buffer_size < hisparse.top_k:
         raise PlanError(
             f"device_buffer_size {hisparse.device_buffer_size} is smaller than top_k {hisparse.top_k}"
@@ -259,8 +283,7 @@ def plan_capacity(
         attn, other = shape.weight_bytes()
         weights = attn // (tp // dp) + other // tp
     else:
-        if weights_gb <= 0:
-            raise PlanError(f"--weights-gb must be positive, got {weights_gb}")
+        _check_positive("weights-gb", weights_gb)
         weights = int(weights_gb * GIB) // tp
     static = int(gpu_memory_gb * mem_fraction_static * GIB)
     if weights >= static:
@@ -276,7 +299,6 @@ def plan_capacity(
         shape.indexer_bytes,
         hisparse.host_to_device_ratio,
     )
-    context = input_len + output_len
     cell = layers * (kv + ratio * idx)
     slots = budget // cell
     logical = slots * ratio
@@ -369,33 +391,39 @@ def format_plan(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m hisparse.plan",
+    """Every flag is checked as it is read (one line and exit status 2); what depends on the model (its
+    context, its heads) is checked by `plan_capacity`."""
+    ap = OneLineParser(
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
-    ap.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GiB")
+    ap.add_argument("--gpu-memory-gb", type=float_in(0, MAX_GPU_MEMORY_GB, low_open=True), required=True,
+                    help=f"memory of one GPU, GiB (at most {MAX_GPU_MEMORY_GB})")
     ap.add_argument(
-        "--num-gpus", type=int, default=None, help="GPUs in all (a multiple of --tp; default --tp)"
+        "--num-gpus", type=int_in(1, MAX_GPUS), default=None,
+        help=f"GPUs in all (a multiple of --tp; default --tp; at most {MAX_GPUS})"
     )
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of one model instance")
-    ap.add_argument("--dp", type=int, default=1, help="attention data-parallel groups within --tp")
+    ap.add_argument("--tp", type=int_in(1, MAX_TP), default=1,
+                    help=f"tensor-parallel size of one model instance (at most {MAX_TP})")
+    ap.add_argument("--dp", type=positive_int, default=1, help="attention data-parallel groups within --tp")
     ap.add_argument(
         "--weights-gb",
-        type=float,
+        type=positive_float,
         default=None,
         help="checkpoint size in GiB, split over --tp (default: FP8 bytes derived from the shapes)",
     )
     ap.add_argument(
         "--mem-fraction-static",
-        type=float,
+        type=float_in(0, 1, low_open=True),
         default=0.85,
-        help="share of GPU memory for weights and KV pools (default 0.85)",
+        help="share of GPU memory for weights and KV pools, in (0, 1] (default 0.85)",
     )
-    ap.add_argument("--host-memory-gb", type=float, default=None, help="host memory available in all, GiB")
-    ap.add_argument("--input-len", type=int, required=True)
-    ap.add_argument("--output-len", type=int, required=True)
+    ap.add_argument("--host-memory-gb", type=positive_float, default=None, help="host memory available in all, GiB")
+    ap.add_argument("--input-len", type=positive_int, required=True,
+                    help="prompt tokens per request (input + output must fit the model's context)")
+    ap.add_argument("--output-len", type=int_in(0), required=True)
     ap.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8"], default="bfloat16")
     ap.add_argument(
         "--hisparse-config",
@@ -428,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
         )
     except PlanError as e:
-        print(f"hisparse.plan: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if hisparse.top_k != shape.index_topk:
         print(
@@ -451,4 +479,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, prog=PROG))

@@ -36,19 +36,32 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hisparse.cli_args import (
+    OneLineParser,
+    comma_list,
+    existing_file,
+    int_in,
+    output_file,
+    positive_int,
+    run_main,
+)
 from hisparse.engine.engine_config import DTYPES, resolve_model_dtype
 from hisparse.layers.attention import causal_attention
+from hisparse.layers.indexer import check_indexer_weights
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 _ROW_CHUNK = 32  # query rows per select() call: bounds the [rows, T, d] key gather
+PROG = "python -m hisparse.quality_report"
+MAX_TRIALS = 1000  # each trial is seconds to minutes; the cap only stops a run that could never end
+MAX_THREADS = 1024
 
 
 class ForcedSequenceBackend:
@@ -144,6 +157,12 @@ def _overlap(sets: torch.Tensor) -> float:
     return float(np.mean(shares))
 
 
+def passkey_parts(tokenizer, key: int) -> tuple[list[int], list[int], list[int]]:
+    """The token ids of the needle sentence, the question and the answer for a 5-digit passkey."""
+    return (tokenizer.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"),
+            tokenizer.encode(PASSKEY_QUESTION), tokenizer.encode(f" {key}."))
+
+
 def passkey_prompt(tokenizer, context: int, trial: int) -> tuple[list[int], list[int], int]:
     """(prompt ids, answer ids, passkey): held-out text with the passkey sentence inserted at a depth that
     varies with the trial, then the question; prompt + answer is exactly `context` tokens."""
@@ -151,9 +170,7 @@ def passkey_prompt(tokenizer, context: int, trial: int) -> tuple[list[int], list
 
     rng = np.random.default_rng(1000 + 7 * context + trial)
     key = int(rng.integers(10000, 100000))
-    needle = tokenizer.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
-    question = tokenizer.encode(PASSKEY_QUESTION)
-    answer = tokenizer.encode(f" {key}.")
+    needle, question, answer = passkey_parts(tokenizer, key)
     filler_len = context - len(needle) - len(question) - len(answer)
     filler = heldout_tokens(tokenizer, filler_len, offset=997 * trial)
     depth = [0.25, 0.6, 0.85, 0.4, 0.1][trial % 5]
@@ -284,40 +301,94 @@ def format_table(results: list[dict], top_k: int, dense_layers) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hisparse.quality_report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--trials", type=int, default=8, help="passkey prompts per context (each also gives "
-                        "a recall/NLL sample of `tail` tokens)")
-    parser.add_argument("--tail", type=int, default=256, help="teacher-forced positions per trial")
-    parser.add_argument("--top-k", type=int, default=256)
-    parser.add_argument("--dense-layers", type=str, default=None,
+def layer_list(text: str) -> list[int]:
+    """argparse type: comma-separated layer numbers, '' for none."""
+    return [] if not text.strip() else comma_list(int_in(0))(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[2048, 4096, 8192],
+                        help="context lengths, each above top_k + 1 and within the model's context")
+    parser.add_argument("--trials", type=int_in(1, MAX_TRIALS), default=8, help="passkey prompts per context "
+                        f"(each also gives a recall/NLL sample of `tail` tokens; at most {MAX_TRIALS})")
+    parser.add_argument("--tail", type=positive_int, default=256,
+                        help="teacher-forced positions per trial: more than the passkey question and answer, "
+                        "fewer than the smallest context")
+    parser.add_argument("--top-k", type=positive_int, default=256)
+    parser.add_argument("--dense-layers", type=layer_list, default=None,
                         help="comma-separated layers kept dense ('' = none); default: the weights' choice")
-    parser.add_argument("--compare-dense-layers", type=str, default=None,
+    parser.add_argument("--compare-dense-layers", type=layer_list, default=None,
                         help="also measure sparse perplexity with these layers dense instead ('' = none)")
-    parser.add_argument("--indexer", type=str, default=None, help="indexer weights (default: the shipped ones)")
+    parser.add_argument("--indexer", type=existing_file, default=None,
+                        help="indexer weights (default: the shipped ones)")
     parser.add_argument("--engine-check", action="store_true", help="also decode one 2k passkey prompt "
                         "through the real engine, sparse and dense (about 1.5 minutes more)")
-    parser.add_argument("--json", type=Path, default=Path("quality_report.json"))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=output_file, default="quality_report.json")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=2)
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="the model's dtype, as the engine's --dtype (default: what the engine would serve in)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return parser
 
-    from hisparse.models.loader import load_llama, resolve_model_path
+
+def check_args(args: argparse.Namespace, num_layers: int, max_context: int) -> None:
+    """Refuse what the model's config alone shows cannot run, before the tokenizer and the weights load.
+
+    A context must exceed top_k + 1: the recall and overlap figures average over the tail rows with more than
+    top_k positions behind them (two rows at least, for an overlap), and a context without one gave NaN."""
+    if len(set(args.contexts)) != len(args.contexts):
+        raise ValueError(f"--contexts: a context given twice in {args.contexts}")
+    for context in args.contexts:
+        if context > max_context:
+            raise ValueError(f"--contexts {context} exceeds the model's context of {max_context} tokens")
+        if context < args.top_k + 2:
+            raise ValueError(f"--contexts {context} must exceed --top-k {args.top_k} + 1: no position has more "
+                             "than top_k positions to choose from, so sparse is dense")
+        if args.tail >= context:
+            raise ValueError(f"--tail {args.tail} must be smaller than --contexts {context} (the tail runs over a "
+                             "dense prefix of the rest)")
+    for flag, layers in (("--dense-layers", args.dense_layers), ("--compare-dense-layers", args.compare_dense_layers)):
+        if layers and max(layers) >= num_layers:
+            raise ValueError(f"{flag}: layer {max(layers)} does not exist; the model has layers 0..{num_layers - 1}")
+    if args.indexer is not None:
+        try:
+            check_indexer_weights(args.indexer, num_layers)
+        except ValueError as error:
+            raise ValueError(f"--indexer {error}") from None
+
+
+def check_passkey_fits(args: argparse.Namespace, tokenizer) -> None:
+    """What the passkey sentences' lengths decide, checked once the tokenizer is read (before the weights).
+
+    The tail must reach back past the question and answer into the held-out text, since the NLL is measured on
+    that text only (a shorter tail measured nothing and reported NaN); each context must hold the needle, the
+    question, the answer and some text."""
+    parts = [passkey_parts(tokenizer, key) for key in (10000, 99999)]  # the shortest and longest keys
+    needle, question, answer = (max(len(p[i]) for p in parts) for i in range(3))
+    if args.tail < question + answer + 2:
+        raise ValueError(f"--tail {args.tail} must be at least {question + answer + 2}: the last {question + answer} "
+                         "positions are the passkey question and answer, and the NLL needs two text positions")
+    least = needle + question + answer + 1
+    if min(args.contexts) < least:
+        raise ValueError(f"--contexts {min(args.contexts)} is too short for the passkey prompt: at least {least} "
+                         "tokens")
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    from hisparse.models.loader import load_llama, read_model_config, resolve_model_path
     from hisparse.models.tokenizer import Tokenizer
+
+    config = read_model_config(None)
+    check_args(args, config.num_layers, config.max_position_embeddings)
+    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    check_passkey_fits(args, tokenizer)
+    torch.set_num_threads(args.threads)
 
     dtype = resolve_model_dtype(args.dtype)
     model = load_llama(None, indexer=args.indexer if args.indexer else True, dtype=dtype)
-    tokenizer = Tokenizer.from_path(resolve_model_path(None))
-    if args.dense_layers is None:
-        dense_layers = tuple(model.indexer_config.dense_layers)
-    else:
-        dense_layers = tuple(int(v) for v in args.dense_layers.split(",") if v.strip())
-    alt = None if args.compare_dense_layers is None else tuple(
-        int(v) for v in args.compare_dense_layers.split(",") if v.strip())
+    dense_layers = tuple(model.indexer_config.dense_layers if args.dense_layers is None else args.dense_layers)
+    alt = None if args.compare_dense_layers is None else tuple(args.compare_dense_layers)
     started = time.perf_counter()
     results = []
     for context in args.contexts:
@@ -350,4 +421,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -37,11 +38,24 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hisparse.cli_args import (
+    OneLineParser,
+    comma_list,
+    existing_file,
+    float_in,
+    int_in,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+    run_main,
+)
 from hisparse.layers.attention import SingleSequenceCache
 from hisparse.layers.indexer import (
     IndexerConfig,
     LlamaIndexer,
     attach_indexers,
+    check_indexer_weights,
     load_indexer_weights,
     save_indexer_weights,
 )
@@ -233,58 +247,136 @@ def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int,
 
 
 @functools.lru_cache(maxsize=1)
-def _frozen_model_and_tokenizer():
-    """The default model without indexers (each run attaches fresh ones) and its tokenizer, loaded once
-    per process."""
-    from hisparse.models.loader import load_llama, resolve_model_path
+def _frozen_model():
+    """The default model without indexers (each run attaches fresh ones), loaded once per process."""
+    from hisparse.models.loader import load_llama
+
+    return load_llama(None, indexer=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    """The default model's tokenizer, read once per process (before the model: it checks the flags)."""
+    from hisparse.models.loader import resolve_model_path
     from hisparse.models.tokenizer import Tokenizer
 
-    return load_llama(None, indexer=False), Tokenizer.from_path(resolve_model_path(None))
+    return Tokenizer.from_path(resolve_model_path(None))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hisparse.train_indexer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("runs/indexer"), help="run folder (captures, checkpoint, log)")
+PROG = "python -m hisparse.train_indexer"
+# Caps on flags the model does not bound; far above any useful run, they stop runs that could never end or
+# would fill the disk (each retrieval sequence is one more chunk captured to <out>).
+MAX_EPOCHS = 1000
+MAX_RETRIEVAL_CHUNKS = 100
+MAX_HEADS = 64
+MAX_HEAD_DIM = 256
+MAX_THREADS = 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=output_dir, default="runs/indexer",
+                   help="run folder (captures, checkpoint, log), created if missing")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
-    p.add_argument("--export", type=Path, default=None,
+    p.add_argument("--export", type=output_file, default=None,
                    help="where to write the final bf16 safetensors (default <out>/smollm2_indexer.safetensors)")
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per training chunk (positions 0..seq_len-1)")
-    p.add_argument("--queries", type=int, default=512, help="query rows per chunk and layer, drawn each epoch")
-    p.add_argument("--min-row", type=int, default=64, help="query rows are drawn from positions >= this")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate (cosine decay to 5%%)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--rope-dim", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=256, help="the top_k stored in the weights and used for recall")
-    p.add_argument("--layers", type=str, default=None, help="train only these layers, e.g. '0,5,29' (pilots)")
-    p.add_argument("--max-chunks", type=int, default=None, help="use only the first N training chunks (pilots)")
-    p.add_argument("--init", type=Path, default=None,
+    p.add_argument("--epochs", type=int_in(1, MAX_EPOCHS), default=12, help=f"at most {MAX_EPOCHS}")
+    p.add_argument("--seq-len", type=positive_int, default=2048,
+                   help="tokens per training chunk (positions 0..seq_len-1; at most the model's context)")
+    p.add_argument("--queries", type=positive_int, default=512,
+                   help="query rows per chunk and layer, drawn each epoch (all rows from --min-row on when fewer)")
+    p.add_argument("--min-row", type=int_in(0), default=64,
+                   help="query rows are drawn from positions >= this (below --seq-len)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="peak Adam learning rate (cosine decay to 5%%)")
+    p.add_argument("--heads", type=int_in(1, MAX_HEADS), default=4, help=f"at most {MAX_HEADS}")
+    p.add_argument("--head-dim", type=int_in(1, MAX_HEAD_DIM), default=64, help=f"at most {MAX_HEAD_DIM}")
+    p.add_argument("--rope-dim", type=positive_int, default=32,
+                   help="even, dividing the model's head dim, at most --head-dim")
+    p.add_argument("--top-k", type=positive_int, default=256,
+                   help="the top_k stored in the weights and used for recall (below --seq-len)")
+    p.add_argument("--layers", type=comma_list(int_in(0)), default=None,
+                   help="train only these layers, e.g. '0,5,29' (pilots)")
+    p.add_argument("--max-chunks", type=positive_int, default=None,
+                   help="use only the first N training chunks (pilots; default all)")
+    p.add_argument("--init", type=existing_file, default=None,
                    help="start from these indexer weights (e.g. to train some --layers further)")
     p.add_argument("--capture-only", action="store_true", help="stop after capturing the layer inputs")
-    p.add_argument("--stop-after", type=int, default=None,
+    p.add_argument("--stop-after", type=positive_int, default=None,
                    help="end this invocation after N epochs (checkpointed; continue with --resume)")
     p.add_argument("--target", choices=["mean", "max"], default="mean",
                    help="head reduction of the attention target: DSA's sum (mean) or the per-key max over heads")
     p.add_argument("--loss", choices=["kl", "kl+topk"], default="kl",
                    help="DSA's KL alone, or plus the top-k margin term (topk_margin_loss) weighted by --topk-weight")
-    p.add_argument("--topk-weight", type=float, default=1.0)
-    p.add_argument("--retrieval-chunks", type=int, default=0,
-                   help="extra passkey-style training sequences built from the training text (see above)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    return p.parse_args(argv)
+    p.add_argument("--topk-weight", type=float_in(0), default=1.0)
+    p.add_argument("--retrieval-chunks", type=int_in(0, MAX_RETRIEVAL_CHUNKS), default=0,
+                   help=f"extra passkey-style training sequences built from the training text (see above; at most "
+                        f"{MAX_RETRIEVAL_CHUNKS})")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    p.add_argument("--threads", type=int_in(1, MAX_THREADS), default=2)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, config) -> None:
+    """Refuse, from the model's config alone, what would fail only after the minutes-long capture."""
+    if args.seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context of {config.max_position_embeddings}")
+    for flag, value, why in (("--top-k", args.top_k, "the held-out recall ranks rows from position top_k on"),
+                             ("--min-row", args.min_row, "query rows are drawn from it to the chunk's end")):
+        if value >= args.seq_len:
+            raise ValueError(f"{flag} {value} must be below --seq-len {args.seq_len}: {why}")
+    if args.layers and max(args.layers) >= config.num_layers:
+        raise ValueError(f"--layers: layer {max(args.layers)} does not exist; the model has layers "
+                         f"0..{config.num_layers - 1}")
+    if args.rope_dim % 2 or config.head_dim % args.rope_dim or args.rope_dim > args.head_dim:
+        raise ValueError(f"--rope-dim {args.rope_dim} must be even, divide the model's head dim ({config.head_dim}) "
+                         f"and be at most --head-dim ({args.head_dim})")
+    try:
+        output_file(str(args.export or args.out / "smollm2_indexer.safetensors"))
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"--export: {error}") from None
+    if args.init is not None:
+        try:
+            check_indexer_weights(args.init, config.num_layers)
+        except ValueError as error:
+            raise ValueError(f"--init {error}") from None
+
+
+def _weights_history(path: Path) -> list[dict]:
+    """Every run that shaped the weights in `path`, oldest first (its `history` or `trained_with` metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    history = json.loads(metadata.get("history", "[]"))
+    return history or ([json.loads(metadata["trained_with"])] if "trained_with" in metadata else [])
 
 
 def main(argv=None) -> list[dict]:
     """Returns one summary per epoch run by this invocation (train loss, held-out KL, top-k mass, worst-head
     miss)."""
     from hisparse.data.pydoc_corpus import corpus_tokens
+    from hisparse.models.loader import read_model_config
 
     args = parse_args(argv)
+    check_args(args, read_model_config(None))
+    history = [] if args.init is None else _weights_history(args.init)  # every run that shaped these weights
+    tokenizer = _tokenizer()
+    retrieval_made = []
+    if args.retrieval_chunks:  # built before any work: a --seq-len too short for a passkey sequence fails here
+        from hisparse.data.retrieval_sequences import retrieval_sequence
+
+        rng = np.random.default_rng(args.seed + 7919)
+        filler = corpus_tokens(tokenizer, "train")
+        try:
+            retrieval_made = [retrieval_sequence(tokenizer, filler, args.seq_len, rng)
+                              for _ in range(args.retrieval_chunks)]
+        except ValueError as error:
+            raise ValueError(f"--seq-len {args.seq_len} is too short for --retrieval-chunks: {error}") from None
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / "train.log").open("a")
 
     def say(message: str) -> None:
@@ -292,23 +384,18 @@ def main(argv=None) -> list[dict]:
         log.write(message + "\n")
         log.flush()
 
-    model, tokenizer = _frozen_model_and_tokenizer()
+    model = _frozen_model()
     train_chunks = _chunks(corpus_tokens(tokenizer, "train"), args.seq_len)
     heldout_chunks = _chunks(corpus_tokens(tokenizer, "heldout"), args.seq_len)[:1]
-    n_chunks = min(args.max_chunks or len(train_chunks), len(train_chunks))
+    n_chunks = min(args.max_chunks or len(train_chunks), len(train_chunks))  # None: all of them
     say(f"train: {n_chunks} of {len(train_chunks)} chunks of {args.seq_len} tokens; held-out eval: 1 chunk")
     started = time.perf_counter()
     train_store = capture_to_memmap(model, train_chunks, args.out, f"train_{args.seq_len}", n_chunks)
     retrieval_store, answer_rows = None, []
-    if args.retrieval_chunks:
-        from hisparse.data.retrieval_sequences import retrieval_sequence
-
-        rng = np.random.default_rng(args.seed + 7919)
-        filler = corpus_tokens(tokenizer, "train")
-        made = [retrieval_sequence(tokenizer, filler, args.seq_len, rng) for _ in range(args.retrieval_chunks)]
-        answer_rows = [n for _, n in made]
-        retrieval_store = capture_to_memmap(model, [torch.tensor(ids) for ids, _ in made], args.out,
-                                            f"retrieval_{args.seq_len}_seed{args.seed}", len(made))
+    if retrieval_made:
+        answer_rows = [n for _, n in retrieval_made]
+        retrieval_store = capture_to_memmap(model, [torch.tensor(ids) for ids, _ in retrieval_made], args.out,
+                                            f"retrieval_{args.seq_len}_seed{args.seed}", len(retrieval_made))
     heldout_store = capture_to_memmap(model, heldout_chunks, args.out, f"heldout_{args.seq_len}", 1)
     say(f"capture: {time.perf_counter() - started:.0f} s")
     if args.capture_only:
@@ -320,7 +407,7 @@ def main(argv=None) -> list[dict]:
     if args.init is not None:
         config = load_indexer_weights(model, args.init)
         indexers = [layer.attn.indexer.requires_grad_(True).train() for layer in model.layers]
-    layers = list(range(len(indexers))) if args.layers is None else [int(v) for v in args.layers.split(",")]
+    layers = list(range(len(indexers))) if args.layers is None else args.layers
     params = [p for i in layers for p in indexers[i].parameters()]
     optimizer = torch.optim.Adam(params, lr=args.lr)
     n_items = n_chunks + args.retrieval_chunks  # text chunks first, then retrieval sequences
@@ -390,13 +477,9 @@ def main(argv=None) -> list[dict]:
         say(f"stopped after epoch {last_epoch}; continue with --resume")
         return summaries
     export = args.export or args.out / "smollm2_indexer.safetensors"
-    history = []  # every run that shaped these weights, oldest first
-    if args.init is not None:
-        from safetensors import safe_open
-
-        with safe_open(str(args.init), "pt") as f:
-            history = json.loads(f.metadata().get("history", "[]")) or [json.loads(f.metadata()["trained_with"])]
     trained_with = {k: str(v) for k, v in vars(args).items()}
+    if args.layers is not None:
+        trained_with["layers"] = ",".join(map(str, args.layers))  # as typed, like the other flags
     save_indexer_weights(export, indexers, config, extra={
         "trained_with": json.dumps(trained_with, sort_keys=True),
         "history": json.dumps([*history, trained_with], sort_keys=True)})
@@ -405,4 +488,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from hisparse import demo
 from hisparse.demo import main
 
@@ -37,5 +39,8 @@ def test_demo_admits_more_with_hisparse_and_reports_throughput(capsys, monkeypat
 
 
 def test_demo_rejects_bad_flags(capsys):
-    assert main(["--skip-chat", "--requests", "0"]) == 2
-    assert "--requests must be >= 1" in capsys.readouterr().err
+    """More bad flags, each refused before the model loads: tests/bench/test_command_flags_serving_demo.py."""
+    with pytest.raises(SystemExit) as done:
+        main(["--skip-chat", "--requests", "0"])
+    assert done.value.code == 2
+    assert "--requests: must be in [1, 4096], got 0" in capsys.readouterr().err

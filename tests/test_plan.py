@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from hisparse.cli_args import run_main
 from hisparse.memory.hisparse_config import HiSparseConfig
-from hisparse.plan import GIB, MODELS, main, plan_capacity
+from hisparse.plan import GIB, MODELS, PROG, main, plan_capacity
 
 GLM_ARGS = ["--model", "glm-5.1", "--gpu-memory-gb", "141", "--tp", "8", "--input-len", "32768",
             "--output-len", "8192"]
@@ -99,11 +100,49 @@ def test_hisparse_config_defaults_and_type_errors(capsys):
     (["--weights-gb", "956"], "fewer than one request's hot buffer"),
 ])
 def test_impossible_configs_are_refused_with_one_line(capsys, extra, message):
-    assert main(GLM_ARGS + extra) != 0
+    assert exit_status(GLM_ARGS + extra) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hisparse.plan: error: ") and message in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: ") and message in lines[0]
+
+
+def exit_status(argv: list[str]) -> int:
+    """main's exit status as `python -m hisparse.plan` ends with it: a flag refused by the parser exits."""
+    try:
+        return run_main(main, argv, PROG)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb: must be in (0, 1024], got nan"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb: must be in (0, 1024], got inf"),
+    (["--gpu-memory-gb", "1e12"], "--gpu-memory-gb: must be in (0, 1024], got 1e12"),
+    (["--weights-gb", "nan"], "--weights-gb: must be > 0, got nan"),
+    (["--host-memory-gb", "nan"], "--host-memory-gb: must be > 0, got nan"),
+    (["--host-memory-gb", "-1"], "--host-memory-gb: must be > 0, got -1"),
+    (["--tp", str(10**12)], "--tp: must be in [1, 1024]"),
+    (["--tp", "128"], "more than the 64 attention heads of glm-5.1"),
+    (["--input-len", str(10**12)], "exceeds the context of glm-5.1 (202,752 tokens)"),
+    (["--input-len", "200000", "--output-len", "2753"], "= 202,753 tokens exceeds the context"),
+    (["--input-len", "0"], "--input-len: must be >= 1, got 0"),
+    (["--output-len", "-1"], "--output-len: must be >= 0, got -1"),
+    (["--num-gpus", "0"], "--num-gpus: must be in [1, 65536], got 0"),
+    (["--tp", "x"], "--tp: not an integer: 'x'"),
+])
+def test_bad_flags_are_one_line_and_exit_2(capsys, extra, message):
+    assert exit_status([*GLM_ARGS, *extra]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{PROG}: error: ") and message in lines[0], lines[0]
+
+
+def test_the_largest_context_of_a_model_is_planned(capsys):
+    """Input + output exactly the model's context still plans; one token more is refused (above)."""
+    assert main([*GLM_ARGS[:6], "--input-len", "200000", "--output-len", "2752"]) == 0
+    assert "202,752 tokens per request" in capsys.readouterr().out
 
 
 def test_module_entry_point_exits_non_zero_without_traceback():

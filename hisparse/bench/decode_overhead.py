@@ -25,18 +25,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 
 from tqdm import tqdm
 
+from hisparse.cli_args import OneLineParser, comma_list, int_in, json_object, one_of, positive_int, run_main
 from hisparse.data.pydoc_corpus import heldout_tokens
-from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
+from hisparse.engine.engine_config import GIB, EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
+from hisparse.memory.eviction import EVICTION_POLICIES
+from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama
+from hisparse.models.loader import load_llama, read_model_config
 from hisparse.models.tokenizer import Tokenizer
+
+PROG = "python -m hisparse.bench.decode_overhead"
+BUDGET = 2 * GIB  # device KV budget of both engines: the whole batch must fit it, so that both run it at once
+MAX_BATCH = 4096  # a cap far above what fits BUDGET, checked first so that a typo builds no 10**12 prompts
 
 
 def interleaved_step_seconds(engines: dict[str, LLMEngine], prompts: list[list[int]],
@@ -60,30 +68,55 @@ def interleaved_step_seconds(engines: dict[str, LLMEngine], prompts: list[list[i
     return times, {name: [r.output_token_ids for r in rs] for name, rs in requests.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hisparse-config", default='{"top_k": 256, "device_buffer_size": 512}')
-    parser.add_argument("--policies", default=None,
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int_in(1, MAX_BATCH), default=8)
+    parser.add_argument("--context", type=positive_int, default=2048, help="prompt tokens of each request")
+    parser.add_argument("--steps", type=positive_int, default=24, help="timed decode steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--hisparse-config", type=json_object, default='{"top_k": 256, "device_buffer_size": 512}')
+    parser.add_argument("--policies", type=comma_list(one_of("auto", *EVICTION_POLICIES)), default=None,
                         help="two eviction policies, e.g. lru,lrfu: compare HiSparse with each instead of the baseline")
     parser.add_argument("--compare-indexer-kernels", action="store_true",
                         help="time the baseline with the PyTorch indexer path against the compiled kernels instead")
-    args = parser.parse_args(argv)
-    policies = None if args.policies is None else args.policies.split(",")
-    if policies is not None and len(policies) != 2:
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """What the flags can get wrong, found before the model loads (each of these failed after loading, some
+    after the warm-up too). Returns the HiSparse engine's config."""
+    if args.policies is not None and len(args.policies) != 2:
         parser.error("--policies takes two eviction policies, e.g. lru,lrfu")
-    if policies is not None and args.compare_indexer_kernels:
+    if args.policies is not None and args.compare_indexer_kernels:
         parser.error("--policies and --compare-indexer-kernels are two different comparisons; pick one")
+    try:
+        hisparse = EngineConfig(device_kv_budget=BUDGET, max_running_requests=args.batch, chunked_prefill_size=1024,
+                                enable_hisparse=True, hisparse_config=args.hisparse_config)
+    except ValueError as error:
+        parser.error(f"argument --hisparse-config: {error}")
+    mc = read_model_config(None)
+    request_tokens = args.context + args.steps + 1  # each request generates steps + 1 tokens
+    if request_tokens > mc.max_position_embeddings:
+        parser.error(f"--context + --steps + 1 = {request_tokens} tokens exceeds the model's context "
+                     f"({mc.max_position_embeddings} tokens)")
+    # K/V alone (no indexer keys) is a lower bound of what the baseline pays per token.
+    least = args.batch * request_tokens * KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                   resolve_model_dtype()).bytes_per_token
+    if least > BUDGET:
+        parser.error(f"--batch {args.batch} requests of {request_tokens} tokens need at least {least / GIB:.1f} GiB "
+                     f"of K/V, more than the {BUDGET / GIB:.0f} GiB budget that runs the whole batch at once")
+    return hisparse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    hisparse = check_args(parser, args)
+    policies = args.policies
 
     path = default_model_path()
     model, tokenizer = load_llama(path, dtype=resolve_model_dtype()), Tokenizer.from_path(path)
     prompts = [heldout_tokens(tokenizer, args.context, offset=131 * i) for i in range(args.batch)]
-    budget = 2 << 30
-    common = dict(device_kv_budget=budget, max_running_requests=args.batch, chunked_prefill_size=1024)
-    hisparse = EngineConfig(**common, enable_hisparse=True, hisparse_config=args.hisparse_config)
     if args.compare_indexer_kernels:
         configs = {"torch indexer": hisparse.without_hisparse(), "compiled indexer": hisparse.without_hisparse()}
     elif policies is None:
@@ -130,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     note = " (the two break ties between equal scores differently, so greedy outputs may part)" \
         if args.compare_indexer_kernels else ""
     print(f"outputs identical: {identical}{note}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -12,15 +12,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from hisparse.cli_args import OneLineParser, int_in, positive_int, run_main
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.memory.host_memory import check_fits_in_memory
+from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama
+from hisparse.models.loader import load_llama, read_model_config
+from hisparse.models.tokenizer import Tokenizer
+
+PROG = "python -m hisparse.bench.engine_vs_hf"
+MAX_BATCH = 4096  # a cap checked first, so that a typo builds no 10**12 prompts; memory bounds it further
+MAX_THREADS = 1024  # far more than any machine's cores: beyond them threads only slow torch down
 
 TEXT = ("The history of computing is a story of machines that learned to remember. Early devices kept a few "
         "numbers in relays; later ones stored programs beside their data, and the memory hierarchy was born.")
@@ -47,25 +56,48 @@ def hf_run(model, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None,
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int_in(1, MAX_BATCH), nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=None,
                         help="torch threads for both (default: torch's); 1 gives steadier ratios on a busy machine")
-    args = parser.parse_args()
+    return parser
+
+
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, prompt_tokens: int) -> None:
+    """Found from the model's config before either model loads (35 s): a run past the context failed only
+    then, and transformers' cache for the largest batch must fit in memory (float32 K/V, as it loads)."""
+    mc = read_model_config(None)
+    tokens = prompt_tokens + args.new_tokens
+    if tokens > mc.max_position_embeddings:
+        parser.error(f"the {prompt_tokens}-token prompt + --new-tokens {args.new_tokens} exceeds the model's "
+                     f"context ({mc.max_position_embeddings} tokens)")
+    batch = max(args.batch_sizes)
+    needed = batch * tokens * KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32).bytes_per_token
+    try:
+        check_fits_in_memory(needed, f"transformers' K/V cache of --batch-sizes {batch} x {tokens} tokens")
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = default_model_path()
+    tokenizer = Tokenizer.from_path(path)
+    base = tokenizer.encode(TEXT)
+    check_sizes(parser, args, len(base))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
     # The dense model on both sides: this compares engines, not attention kinds.
     engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes), sparse_attention=False),
-                       model=load_llama(path, indexer=False))
+                       model=load_llama(path, indexer=False), tokenizer=tokenizer)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    base = engine.tokenizer.encode(TEXT)
     print(f"{'batch':>5} {'hisparse tok/s':>15} {'transformers tok/s':>19} {'ratio':>7} {'outside forward':>16}")
     our_run(engine, [base], 4)  # warm-up both
     hf_run(hf, [base], 4)
@@ -80,7 +112,8 @@ def main() -> None:
             theirs.append(hf_run(hf, prompts, args.new_tokens))
         o, t = statistics.median(ours), statistics.median(theirs)
         print(f"{batch:>5} {o:>15.1f} {t:>19.1f} {o / t:>6.2f}x {statistics.median(outside):>15.1%}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from hisparse.bench.swap_in import MAX_REPEATS
+from hisparse.cli_args import OneLineParser, comma_list, int_in, positive_int, run_main
 from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 LAYERS = 30
+FLUSH_BYTES = 64 << 20  # rewritten before every call, to push the keys out of the CPU caches
+PROG = "python -m hisparse.bench.index_scores"
 
 
 def time_selection(cache: IndexerKeyCache, batch: int, context: int, heads: int, top_k: int, repeats: int,
@@ -34,7 +40,7 @@ def time_selection(cache: IndexerKeyCache, batch: int, context: int, heads: int,
     lengths = torch.full((batch,), context) - torch.arange(batch)  # the batch's lengths differ a little
     q = torch.randn(batch, heads, cache.index_dim, generator=gen)
     w = torch.rand(batch, heads, generator=gen)
-    flush = torch.ones(64 << 20, dtype=torch.uint8)
+    flush = torch.ones(FLUSH_BYTES, dtype=torch.uint8)
     kernels = {"scores": cache._past_scores, "scores_ref": cache.past_scores_reference}
     times: dict[str, list[float]] = {name: [] for name in ("scores", "scores_ref", "top_k", "top_k_ref")}
     worst = 0.0
@@ -59,22 +65,46 @@ def time_selection(cache: IndexerKeyCache, batch: int, context: int, heads: int,
     return {**medians, "worst": worst}
 
 
+def head_dim_flag(text: str) -> int:
+    """argparse type: a positive multiple of 4 (the int8 row's scale is read as one fp32 word)."""
+    value = positive_int(text)
+    if value % 4:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 4 (the int8 row's scale is read as one "
+                                         f"fp32 word), got {value}")
+    return value
+
+
+def needed_bytes(batch: int, context: int, heads: int, head_dim: int) -> int:
+    """About the memory a run takes at its largest batch: the key cache, the keys written into it, and a call's
+    dequantized keys, per-head scores and scores (the PyTorch path), with the flush buffer."""
+    slots = batch * (context + 64)
+    cache = LAYERS * slots * (head_dim + 4)
+    written = slots * head_dim * 4 * 2
+    per_call = batch * context * (head_dim + heads + 4) * 4 * 2
+    return cache + written + per_call + FLUSH_BYTES
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,4,8,16", help="comma list of batch sizes")
-    parser.add_argument("--context", type=int, default=2048, help="past tokens per request")
-    parser.add_argument("--heads", type=int, default=4, help="indexer heads")
-    parser.add_argument("--head-dim", type=int, default=64, help="indexer head dim (a multiple of 4)")
-    parser.add_argument("--top-k", type=int, default=256, help="positions selected per request")
-    parser.add_argument("--repeats", type=int, default=41, help="timed calls per figure (median)")
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=comma_list(positive_int), default="1,4,8,16",
+                        help="comma list of batch sizes (each below --context)")
+    parser.add_argument("--context", type=int_in(2), default=2048, help="past tokens per request")
+    parser.add_argument("--heads", type=positive_int, default=4, help="indexer heads")
+    parser.add_argument("--head-dim", type=head_dim_flag, default=64, help="indexer head dim (a multiple of 4)")
+    parser.add_argument("--top-k", type=positive_int, default=256, help="positions selected per request")
+    parser.add_argument("--repeats", type=int_in(1, MAX_REPEATS), default=41,
+                        help=f"timed calls per figure (median; at most {MAX_REPEATS})")
     args = parser.parse_args(argv)
-    if args.head_dim % 4 or args.head_dim <= 0:
-        parser.error("--head-dim must be a positive multiple of 4 (the int8 row's scale is read as one fp32 word)")
-    if args.context < 2:
-        parser.error("--context must be at least 2")
-    if args.top_k < 1:
-        parser.error("--top-k must be at least 1")
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = args.batches
+    if max(batches) >= args.context:  # request b has context - b past tokens
+        parser.error(f"--batches {max(batches)} leaves a request without past tokens: each request of a batch has "
+                     f"--context minus its index in the batch, so batches must be below --context ({args.context})")
+    try:
+        check_fits_in_memory(needed_bytes(max(batches), args.context, args.heads, args.head_dim),
+                             f"batch {max(batches)} x context {args.context} x {args.heads} heads x {args.head_dim} "
+                             f"dims over {LAYERS} layers")
+    except ValueError as error:
+        parser.error(str(error))
     gen = torch.Generator().manual_seed(0)
     slots = max(batches) * (args.context + 64)
     cache = IndexerKeyCache(LAYERS, slots, IndexKeyFormat("int8", args.head_dim))
@@ -93,4 +123,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

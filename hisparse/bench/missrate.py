@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -44,11 +45,13 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_dir, positive_int, run_main
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
 from hisparse.kernels.numba_threads import choose_threading_layer
 from hisparse.kernels.swap_in_cpu import keep_last_ghosts
 from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, LRFUPolicy, ScoreLRUPolicy
+from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K
 
 choose_threading_layer()
@@ -60,6 +63,10 @@ _LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 CHALLENGERS = (LRFUPolicy.name, ScoreLRUPolicy.name)  # the policies whose share of LRU's gap each row reports
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
+PROG = "python -m hisparse.bench_missrate"
+MAX_REQUESTS = 1024  # recorded in one batch; far beyond the 4-8 the figures use
+SYNTHETIC_MAX_TOKENS = 1 << 16  # context + steps of a synthetic trace (a recorded one: the model's context)
+SYNTHETIC_LAYERS, SYNTHETIC_NEXT_PER_TOP_K = 2, 4  # synthetic_trace's defaults
 
 
 # -- the simulators ---------------------------------------------------------------------------------
@@ -432,8 +439,9 @@ def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: s
 # -- traces -----------------------------------------------------------------------------------------
 
 
-def synthetic_trace(seed: int, num_layers: int = 2, context: int = 600, steps: int = 24, top_k: int = 32,
-                    sinks: int = 4, window: int = 16, next_per_top_k: int = 4) -> TopkTrace:
+def synthetic_trace(seed: int, num_layers: int = SYNTHETIC_LAYERS, context: int = 600, steps: int = 24,
+                    top_k: int = 32, sinks: int = 4, window: int = 16,
+                    next_per_top_k: int = SYNTHETIC_NEXT_PER_TOP_K) -> TopkTrace:
     """A made-up trace with the shape of real ones: sink tokens and a local window always selected, the
     rest by a persistent per-position importance plus noise that drifts from step to step; the next
     `next_per_top_k` x top_k positions by that score are recorded as the next-ranked ones."""
@@ -473,7 +481,7 @@ def prompt_ids(tokenizer, split: str, index: int, num_requests: int, context: in
 
 
 def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int, steps: int,
-                   top_k: int) -> list[TopkTrace]:
+                   top_k: int, progress: bool = True) -> list[TopkTrace]:
     """The split's traces from `trace_dir`, recording (in one batch on the real model) those missing."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     tag = indexer_tag()
@@ -486,7 +494,7 @@ def load_or_record(trace_dir: Path, split: str, num_requests: int, context: int,
              for i in range(num_requests)]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing:
-        record_batch(paths, missing, split, num_requests, context, steps, top_k, dtype)
+        record_batch(paths, missing, split, num_requests, context, steps, top_k, dtype, progress)
     return [load_topk_trace(p) for p in paths]
 
 
@@ -502,7 +510,7 @@ def indexer_tag() -> str:
 
 
 def record_batch(paths: list[Path], missing: list[int], split: str, num_requests: int, context: int,
-                 steps: int, top_k: int, dtype: str) -> None:
+                 steps: int, top_k: int, dtype: str, progress: bool = True) -> None:
     from tqdm import tqdm
 
     from hisparse.engine.engine_config import EngineConfig
@@ -523,7 +531,7 @@ def record_batch(paths: list[Path], missing: list[int], split: str, num_requests
     requests = {i: engine.add_request(prompt_ids(engine.tokenizer, split, i, num_requests, context), params,
                                       request_id=f"{split}-{i}", record_topk=True) for i in missing}
     total = len(missing) * (context + steps)
-    with tqdm(total=total, desc=f"recording {len(missing)} {split} traces", unit="tok") as bar:
+    with tqdm(total=total, desc=f"recording {len(missing)} {split} traces", unit="tok", disable=not progress) as bar:
         done = 0
         while engine.has_unfinished:
             engine.step()
@@ -689,38 +697,70 @@ def plot(results: list[Result], policies: list[str], path: Path, title: str) -> 
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hisparse.bench_missrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help="recorded traces (cache)")
-    parser.add_argument("--num-requests", type=int, default=4)
-    parser.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
-    parser.add_argument("--steps", type=int, default=1024,
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace-dir", type=output_dir, default=DEFAULT_TRACE_DIR, help="recorded traces (cache)")
+    parser.add_argument("--num-requests", type=int_in(1, MAX_REQUESTS), default=4, help=f"at most {MAX_REQUESTS}")
+    parser.add_argument("--context", type=positive_int, default=2048,
+                        help="prompt tokens per request (with --steps, at most the model's context)")
+    parser.add_argument("--steps", type=positive_int, default=1024,
                         help="decode steps recorded per request (1024: a long generation, as the issue measures)")
-    parser.add_argument("--top-k", type=int, default=256)
-    parser.add_argument("--buffers", default="1,1.5,2,3", help="device buffer sizes in units of top_k")
+    parser.add_argument("--top-k", type=positive_int, default=256)
+    parser.add_argument("--buffers", type=comma_list(float_in(1.0)), default="1,1.5,2,3",
+                        help="device buffer sizes in units of top_k (each >= 1: the buffer must hold the top_k)")
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
                         help="text the traces are recorded on (tune on train, report on heldout)")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", type=comma_list(one_of(*POLICIES)), default=",".join(POLICIES))
     parser.add_argument("--tune", action="store_true",
                         help="also grid-search score_lru's constants and lrfu's decay and rank bonus "
                              "(needs lru in --policies)")
     parser.add_argument("--synthetic", action="store_true", help="replay generated traces (no model needed)")
-    parser.add_argument("--out", type=Path, default=Path("missrate_results"))
+    parser.add_argument("--out", type=output_dir, default="missrate_results")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
 
-    factors = [float(f) for f in args.buffers.split(",")]
-    policies = [p for p in args.policies.split(",") if p]
-    if any(f < 1 for f in factors):
-        parser.error("--buffers must be >= 1 (the buffer must hold the top_k)")
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags get wrong together, as a ValueError, before a trace is recorded or replayed."""
+    if args.tune and "lru" not in args.policies:
+        raise ValueError("--tune measures shares of LRU's gap: it needs lru in --policies")
+    tokens = args.context + args.steps
+    if args.synthetic:
+        most, layers, next_per_top_k = SYNTHETIC_MAX_TOKENS, SYNTHETIC_LAYERS, SYNTHETIC_NEXT_PER_TOP_K
+        if tokens > most:
+            raise ValueError(f"--context + --steps is {tokens}; synthetic traces hold at most {most} tokens")
+    else:
+        from hisparse.models.loader import read_model_config
+
+        config = read_model_config(None)
+        most, layers, next_per_top_k = config.max_position_embeddings, config.num_layers, TRACE_NEXT_PER_TOP_K
+        if tokens > most:
+            raise ValueError(f"--context + --steps is {tokens}, beyond the model's context of {most} tokens")
+    largest = int(round(max(args.buffers) * args.top_k))
+    if largest >= tokens:
+        raise ValueError(f"a buffer of {max(args.buffers):g} x --top-k {args.top_k} = {largest} slots holds every one "
+                         f"of the {tokens} tokens (--context + --steps): no step would swap anything in")
+    one_request = layers * args.steps * args.top_k * (1 + next_per_top_k) * 4  # int32 selections and runners-up
+    check_fits_in_memory((args.num_requests + 4) * one_request,  # + one request's int64 copies as it is replayed
+                         f"{args.num_requests} traces of {layers} layers x {args.steps} steps x top_k {args.top_k}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    factors, policies = args.buffers, args.policies
     started = time.perf_counter()
     if args.synthetic:
         traces = [synthetic_trace(i, context=args.context, steps=args.steps, top_k=args.top_k)
                   for i in range(args.num_requests)]
         source = "synthetic"
     else:
-        traces = load_or_record(args.trace_dir, args.split, args.num_requests, args.context, args.steps, args.top_k)
+        traces = load_or_record(args.trace_dir, args.split, args.num_requests, args.context, args.steps, args.top_k,
+                                progress=not args.no_progress)
         source = f"SmolLM2-135M + indexer, {args.split} text"
     recorded = time.perf_counter()
     top_k = traces[0].top_k
@@ -784,4 +824,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -42,7 +42,16 @@ from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
 from hisparse.bench.serving_server import ServerProcess, wait_ready
-from hisparse.cli_args import positive_float, positive_int, size_flag
+from hisparse.cli_args import (
+    OneLineParser,
+    comma_list,
+    int_in,
+    json_object,
+    output_dir,
+    positive_float,
+    positive_int,
+    size_flag,
+)
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.memory.paged_kv_cache import KVLayout
 
@@ -51,27 +60,21 @@ PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the he
 WARMUP_TOKENS = 4
 HITS, MISSES = "hisparse_swap_in_hits_total", "hisparse_swap_in_misses_total"
 DEFAULT_HISPARSE_CONFIG = '{"top_k": 256, "device_buffer_size": 300, "host_to_device_ratio": 6}'
-
-
-def parse_concurrency(text: str) -> list[int]:
-    try:
-        levels = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not levels or levels[0] < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
-    return levels
+PROG = "python -m hisparse.bench_serving"
+# Requests sent at one level, at most: far more than a server on this machine runs at once (16 is the
+# README's highest level), and a bound on the prompts built for a level (a typo of 10**12 never ended).
+MAX_LEVEL_REQUESTS = 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hisparse.bench_serving", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency("1,4,16"),
+    ap = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=comma_list(int_in(1, MAX_LEVEL_REQUESTS)), default="1,4,16",
                     help="comma-separated levels (default 1,4,16)")
     ap.add_argument("--prompt-tokens", type=positive_int, default=1536)
     ap.add_argument("--output-tokens", type=positive_int, default=192)
-    ap.add_argument("--rounds", type=positive_int, default=1, help="requests per level = rounds x concurrency")
-    ap.add_argument("--min-requests", type=positive_int, default=3,
+    ap.add_argument("--rounds", type=int_in(1, MAX_LEVEL_REQUESTS), default=1,
+                    help=f"requests per level = rounds x concurrency (at most {MAX_LEVEL_REQUESTS})")
+    ap.add_argument("--min-requests", type=int_in(1, MAX_LEVEL_REQUESTS), default=3,
                     help="at least this many requests per level (default 3: one request alone was too noisy a "
                          "figure at concurrency 1, 0.83x-1.03x across three runs)")
     ap.add_argument("--poll-interval", type=positive_float, default=0.5,
@@ -81,13 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="size the default device budget so that the baseline holds this many requests at once")
     ap.add_argument("--device-kv-budget", type=size_flag, default=None,
                     help="bytes or e.g. 320MiB; overrides --baseline-admits")
-    ap.add_argument("--hisparse-config", default=DEFAULT_HISPARSE_CONFIG,
+    ap.add_argument("--hisparse-config", type=json_object, default=DEFAULT_HISPARSE_CONFIG,
                     help="JSON for the HiSparse server; its top_k is given to both servers")
-    ap.add_argument("--out-dir", type=Path, default=Path("bench_results/serving"))
+    ap.add_argument("--out-dir", type=output_dir, default="bench_results/serving",
+                    help="created now, so that an unwritable folder is found before the servers start")
     return ap
 
 
 # -- sizing -------------------------------------------------------------------------------------------
+
+
+def default_model_reader():
+    """The default model's GGUF header, for its shape now and its tokenizer later (seconds: it indexes the whole
+    vocabulary)."""
+    import gguf
+
+    from hisparse.models.default_model import default_model_path
+
+    return gguf.GGUFReader(str(default_model_path()))
 
 
 def default_model_shape(reader) -> tuple[KVLayout, int, int]:
@@ -107,6 +121,17 @@ def default_model_shape(reader) -> tuple[KVLayout, int, int]:
     # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, resolve_model_dtype())
     return layout, index_key, config.max_position_embeddings
+
+
+def check_memory(budget: int, layout: KVLayout, index_key, config) -> None:
+    """The HiSparse server's own checks of its pools (a budget that buys one request's buffer, pools that fit
+    in available memory), made before either server starts: a server refusing them exits after some 25 s of
+    loading."""
+    from hisparse.memory.hisparse_pools import PoolSizing
+
+    sizing = PoolSizing(layout.num_layers, layout.bytes_per_token // layout.num_layers, index_key.row_bytes, config,
+                        budget)
+    sizing.check("cpu")
 
 
 def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int, max_running: int) -> int:
@@ -160,24 +185,26 @@ def summarize(mode: str, concurrency: int, run: LevelRun, before: dict, after: d
 
 
 def _fail(message: str) -> int:
-    print(f"python -m hisparse.bench_serving: error: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from hisparse.memory.hisparse_config import HiSparseConfig
 
     try:
         config = HiSparseConfig.parse(args.hisparse_config)
     except ValueError as error:
-        return _fail(f"--hisparse-config: {error}")
-    import gguf
-
-    from hisparse.models.default_model import default_model_path
-
+        parser.error(f"argument --hisparse-config: {error}")
+    levels = sorted(args.concurrency)
+    per_level = {c: max(args.rounds * c, args.min_requests) for c in levels}  # requests sent at each level
+    if max(per_level.values()) > MAX_LEVEL_REQUESTS:
+        parser.error(f"--rounds {args.rounds} x --concurrency {levels[-1]} = {args.rounds * levels[-1]} requests at "
+                     f"a level, more than {MAX_LEVEL_REQUESTS}")
     try:
-        reader = gguf.GGUFReader(str(default_model_path()))  # seconds: it indexes the whole vocabulary
+        reader = default_model_reader()
         layout, index_key, max_context = default_model_shape(reader)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
@@ -187,16 +214,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"({max_context} tokens)")
     per_token = layout.baseline_bytes_per_token(index_key)  # what the baseline server pays per token
     budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
-    levels = args.concurrency
+    try:
+        check_memory(budget, layout, index_key, config)
+    except ValueError as error:
+        return _fail(str(error))
     max_running = max(levels)
-    per_level = {c: max(args.rounds * c, args.min_requests) for c in levels}  # requests sent at each level
     common = ["--device-kv-budget", str(budget), "--max-running-requests", str(max_running),
               "--max-queued-requests", str(max(256, *per_level.values())), "--top-k", str(config.top_k)]
     flags = {"baseline": common,
              "hisparse": [*common, "--enable-hisparse", "--hisparse-config",
                           json.dumps(dataclasses.asdict(config))]}
     out_dir: Path = args.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     servers = {mode: ServerProcess(mode, flags[mode], out_dir / f"server-{mode}.log") for mode in MODES}
 
     print(f"workload: {args.rounds} x concurrency requests (at least {args.min_requests}) per level at concurrency "

@@ -29,21 +29,53 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 import numba
 import torch
 
+from hisparse.cli_args import (
+    OneLineParser,
+    comma_list,
+    float_in,
+    int_in,
+    one_of,
+    positive_float,
+    positive_int,
+    run_main,
+)
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.kernels.swap_in import swap_in
+from hisparse.kernels.swap_in import BACKENDS, swap_in
 from hisparse.memory.eviction import new_slot_tables, reset_row
-from hisparse.memory.host_memory import PAGE_KINDS, host_empty, huge_page_status
+from hisparse.memory.host_memory import PAGE_KINDS, check_fits_in_memory, host_empty, huge_page_status
 
 # The default model (SmolLM2-135M): 3 KV heads of dim 64; one row holds a token's K and V of one layer.
 KV_HEADS, HEAD_DIM = 3, 64
 ROW_VALUES = 2 * KV_HEADS * HEAD_DIM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_REPEATS = 1000  # a median of more calls says nothing new; the cap keeps a typo from timing for hours
+THREADING_LAYERS = ("omp", "tbb", "workqueue")
+PROG = "python -m hisparse.bench.swap_in"
+
+
+def row_bytes_of(dtype: torch.dtype) -> int:
+    return ROW_VALUES * torch.finfo(dtype).bits // 8
+
+
+def host_tokens_per_request(num_rows: int, dtype: torch.dtype, host_bytes: int) -> int:
+    """Tokens of context each of `num_rows` requests gets in a host pool of `host_bytes`."""
+    return host_bytes // row_bytes_of(dtype) // num_rows
+
+
+def check_host_pool(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int) -> None:
+    """ValueError unless the host pool gives each request at least twice its buffer (the selections need
+    positions outside it)."""
+    context = host_tokens_per_request(num_rows, dtype, host_bytes)
+    if context < 2 * num_slots:
+        raise ValueError(f"a {host_bytes / (1 << 20):g} MiB host pool holds {context} tokens per request at batch "
+                         f"{num_rows}, too few for a buffer of {num_slots} (it needs {2 * num_slots})")
 
 
 @dataclass
@@ -64,12 +96,9 @@ class Pools:
 
 def make_pools(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int, gen: torch.Generator,
                pages: str = "huge") -> Pools:
-    row_bytes = ROW_VALUES * torch.finfo(dtype).bits // 8
-    host_size = host_bytes // row_bytes
+    check_host_pool(num_rows, num_slots, dtype, host_bytes)
+    host_size = host_bytes // row_bytes_of(dtype)
     context = host_size // num_rows
-    if context < 2 * num_slots:
-        raise ValueError(f"a {host_bytes >> 20} MiB host pool holds {context} tokens per request, "
-                         f"too few for a buffer of {num_slots}")
     host_kv = host_empty((host_size, ROW_VALUES), dtype, pages=pages)
     host_kv.fill_(0.5)  # touch every page before timing
     device_kv = torch.zeros(num_rows * num_slots, ROW_VALUES, dtype=dtype)
@@ -135,36 +164,69 @@ class PlainCopy:
         return self.src.numel() / statistics.median(times[1:]) / 1e9
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (median)")
-    parser.add_argument("--buffer", type=int, default=512, help="hot slots per request (S)")
-    parser.add_argument("--top-k", type=int, default=256, help="positions selected per request (K)")
-    parser.add_argument("--dtype", default="float32,bfloat16", help="comma list of float32, bfloat16")
-    parser.add_argument("--batches", default="1,16,64", help="comma list of batch sizes")
-    parser.add_argument("--miss-rates", default="0.001,0.2,1.0", help="comma list of miss fractions")
-    parser.add_argument("--host-gib", type=float, default=1.0, help="host pool size per dtype, GiB")
-    parser.add_argument("--host-pages", default="huge",
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int_in(1, MAX_REPEATS), default=7,
+                        help=f"timed calls per figure (median; at most {MAX_REPEATS})")
+    parser.add_argument("--buffer", type=positive_int, default=512, help="hot slots per request (S)")
+    parser.add_argument("--top-k", type=positive_int, default=256, help="positions selected per request (K)")
+    parser.add_argument("--dtype", type=comma_list(one_of(*DTYPES)), default="float32,bfloat16",
+                        help="comma list of float32, bfloat16")
+    parser.add_argument("--batches", type=comma_list(positive_int), default="1,16,64",
+                        help="comma list of batch sizes")
+    parser.add_argument("--miss-rates", type=comma_list(float_in(0.0, 1.0)), default="0.001,0.2,1.0",
+                        help="comma list of miss fractions in [0, 1]")
+    parser.add_argument("--host-gib", type=positive_float, default=1.0,
+                        help="host pool size per dtype, GiB (at most the memory available)")
+    parser.add_argument("--host-pages", type=comma_list(one_of(*PAGE_KINDS)), default="huge",
                         help=f"comma list of {', '.join(PAGE_KINDS)}: host pool pages "
                              "(huge: 2 MiB where the kernel lends them)")
-    parser.add_argument("--copy-mib", type=int, default=256, help="plain-copy buffer, MiB")
-    parser.add_argument("--backends", default="cpu,reference", help="comma list of swap-in backends")
-    parser.add_argument("--threading-layer", default=None,
-                        help="numba threading layer (omp, workqueue, tbb); default: "
+    parser.add_argument("--copy-mib", type=positive_int, default=256, help="plain-copy buffer, MiB")
+    parser.add_argument("--backends", type=comma_list(one_of(*BACKENDS)), default="cpu,reference",
+                        help=f"comma list of swap-in backends ({', '.join(BACKENDS)}; triton needs TRITON_INTERPRET=1 "
+                             "here, on a GPU run hisparse.bench.swap_in_cuda)")
+    parser.add_argument("--threading-layer", type=one_of(*THREADING_LAYERS), default=None,
+                        help=f"numba threading layer ({', '.join(THREADING_LAYERS)}); default: "
                              "hisparse.kernels.numba_threads' choice")
-    args = parser.parse_args(argv)
-    if args.threading_layer:  # as the user's variable, so the cpu swap-in's own choice keeps it
-        os.environ["NUMBA_THREADING_LAYER"] = numba.config.THREADING_LAYER = args.threading_layer
-    choose_threading_layer()
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What the flags get wrong together, as a ValueError, before any pool is allocated or call timed."""
     if args.top_k > args.buffer:
-        parser.error("--top-k must not exceed --buffer")
-    page_kinds = args.host_pages.split(",")
-    for kind in page_kinds:
-        if kind not in PAGE_KINDS:
-            parser.error(f"--host-pages: {kind!r} is not one of {', '.join(PAGE_KINDS)}")
-    batches = [int(x) for x in args.batches.split(",")]
-    rates = [float(x) for x in args.miss_rates.split(",")]
-    backends = args.backends.split(",")
+        raise ValueError("--top-k must not exceed --buffer")
+    if "triton" in args.backends and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--backends triton on CPU tensors needs TRITON_INTERPRET=1; on a GPU run "
+                         "python -m hisparse.bench.swap_in_cuda")
+    host_bytes = int(args.host_gib * (1 << 30))
+    for name in args.dtype:
+        try:
+            check_host_pool(max(args.batches), args.buffer, DTYPES[name], host_bytes)
+        except ValueError as error:
+            raise ValueError(f"--host-gib {args.host_gib:g}: {error} ({name} rows; raise --host-gib or lower "
+                             "--batches or --buffer)") from None
+    device_bytes = max(args.batches) * args.buffer * max(row_bytes_of(DTYPES[name]) for name in args.dtype)
+    check_fits_in_memory(len(args.host_pages) * (host_bytes + device_bytes) + 2 * (args.copy_mib << 20),
+                         f"{len(args.host_pages)} host pool(s) of {args.host_gib:g} GiB with their device pools and "
+                         f"two copy buffers of {args.copy_mib} MiB")
+
+
+def use_threading_layer(layer: str | None) -> None:
+    """Set numba's threading layer as the user's variable, so that the cpu swap-in's own choice keeps it."""
+    if layer:
+        os.environ["NUMBA_THREADING_LAYER"] = numba.config.THREADING_LAYER = layer
+    choose_threading_layer()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+        use_threading_layer(args.threading_layer)
+    except ValueError as error:
+        parser.error(str(error))
+    page_kinds, batches, rates, backends = args.host_pages, args.batches, args.miss_rates, args.backends
     gen = torch.Generator().manual_seed(0)
 
     copy = PlainCopy(args.copy_mib << 20)
@@ -174,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(layer {numba.config.THREADING_LAYER})")
     print(f"S={args.buffer} K={args.top_k} row={ROW_VALUES} values, host pool {args.host_gib:g} GiB, "
           f"median of {args.repeats}")
-    for name in args.dtype.split(","):
+    for name in args.dtype:
         table_for(name, page_kinds, args, batches, rates, backends, copy, gen)
 
 
@@ -216,5 +278,6 @@ def table_for(name: str, page_kinds: list[str], args: argparse.Namespace, batche
                 f"batch {b} {full_seconds[backend, b, 'huge'] / full_seconds[backend, b, 'small']:.2f}"
                 for b in batches if (backend, b, "huge") in full_seconds))
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

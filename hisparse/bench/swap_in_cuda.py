@@ -25,15 +25,28 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from hisparse.bench.swap_in import ROW_VALUES, Pools, make_pools, make_top_k
+from hisparse.bench.swap_in import (
+    MAX_REPEATS,
+    ROW_VALUES,
+    Pools,
+    check_host_pool,
+    host_tokens_per_request,
+    make_pools,
+    make_top_k,
+)
+from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_file, positive_float, run_main
 from hisparse.kernels.swap_in import TRITON_POLICIES, swap_in
 from hisparse.memory.eviction import get_policy
+from hisparse.memory.host_memory import check_fits_in_memory
 
 CHECK_BUFFER, CHECK_TOP_K, CHECK_STEPS = 512, 256, 6
+CHECK_HOST_BYTES = 64 << 20  # each check's host pool
+# The largest batch whose check pool (batch + 1 requests) still holds twice a buffer per request.
+MAX_CHECK_BATCH = host_tokens_per_request(1, torch.bfloat16, CHECK_HOST_BYTES) // (2 * CHECK_BUFFER) - 1
+PROG = "python -m hisparse.bench.swap_in_cuda"
 
 
 def to_device(pools: Pools, device: str) -> Pools:
@@ -56,7 +69,7 @@ def next_ranked_for(top_k: torch.Tensor, context: int, gen: torch.Generator) -> 
 def check_policy(name: str, device: str, batch: int, gen: torch.Generator) -> int:
     """Run CHECK_STEPS swap-ins on `device` (triton) and on the CPU (reference) from one state; raise on the
     first difference. Returns the misses seen (so a check that never missed is visible)."""
-    reference = make_pools(batch + 1, CHECK_BUFFER, torch.bfloat16, 64 << 20, gen)
+    reference = make_pools(batch + 1, CHECK_BUFFER, torch.bfloat16, CHECK_HOST_BYTES, gen)
     kernel = to_device(reference, device)
     want_policy = get_policy(name, num_rows=batch + 1, num_slots=CHECK_BUFFER)
     got_policy = get_policy(name, num_rows=batch + 1, num_slots=CHECK_BUFFER, device=device)
@@ -135,29 +148,51 @@ def time_rows(device: str, batches: list[int], rates: list[float], repeats: int,
     return out
 
 
+def device_flag(text: str) -> str:
+    """argparse type: cpu, cuda or cuda:N, as torch names them."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cuda, cuda:N or cpu)") from None
+    if device.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a CUDA device nor cpu")
+    return text
+
+
+def check_device(device: str) -> None:
+    """ValueError unless the device can run the kernel here: a GPU there is, or the interpreter on cpu."""
+    where = torch.device(device)
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here (torch.cuda.is_available() is False); "
+                             "--device cpu runs the check through the Triton interpreter")
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--device cpu needs TRITON_INTERPRET=1 in the environment")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hisparse.bench.swap_in_cuda", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default=",".join(TRITON_POLICIES))
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--miss-rates", default="0.001,0.2,1.0")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--host-gib", type=float, default=1.0, help="pinned host pool for the timing, GiB")
-    parser.add_argument("--device", default="cuda", help="cuda (or cuda:N); cpu: the Triton interpreter")
-    parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON")
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", type=comma_list(one_of(*TRITON_POLICIES)), default=",".join(TRITON_POLICIES))
+    parser.add_argument("--batches", type=comma_list(int_in(1, MAX_CHECK_BATCH)), default="1,16,64",
+                        help=f"comma list of batch sizes, at most {MAX_CHECK_BATCH} (the check's 64 MiB host pool)")
+    parser.add_argument("--miss-rates", type=comma_list(float_in(0.0, 1.0)), default="0.001,0.2,1.0",
+                        help="comma list of miss fractions in [0, 1]")
+    parser.add_argument("--repeats", type=int_in(1, MAX_REPEATS), default=20, help=f"at most {MAX_REPEATS}")
+    parser.add_argument("--host-gib", type=positive_float, default=1.0, help="pinned host pool for the timing, GiB")
+    parser.add_argument("--device", type=device_flag, default="cuda",
+                        help="cuda (or cuda:N); cpu: the Triton interpreter")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    device = args.device
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        sys.exit("swap_in_cuda: no CUDA device here (torch.cuda.is_available() is False); "
-                 "--device cpu runs the check through the Triton interpreter")
-    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("swap_in_cuda: --device cpu needs TRITON_INTERPRET=1 in the environment")
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in TRITON_POLICIES]
-    if unknown:
-        sys.exit(f"swap_in_cuda: the triton swap-in implements {', '.join(TRITON_POLICIES)}, not {', '.join(unknown)}")
-    batches = [int(x) for x in args.batches.split(",")]
-    rates = [float(x) for x in args.miss_rates.split(",")]
+    device, policies, batches, rates = args.device, args.policies, args.batches, args.miss_rates
+    host_bytes = int(args.host_gib * (1 << 30))
+    try:
+        check_device(device)
+        check_fits_in_memory(2 * host_bytes, f"a host pool of {args.host_gib:g} GiB and its pinned copy")
+        check_host_pool(max(batches), CHECK_BUFFER, torch.bfloat16, host_bytes)
+    except ValueError as error:
+        parser.error(str(error))
     gen = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu (Triton interpreter)"
     print(f"device: {name}; rows of {ROW_VALUES} bfloat16 values; S={CHECK_BUFFER}, K={CHECK_TOP_K}")
@@ -167,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             misses = check_policy(policy, device, batch, gen)
             report["check"][f"{policy} batch {batch}"] = misses
             print(f"check {policy:>9} batch {batch:>3}: triton = reference over {CHECK_STEPS} steps ({misses} misses)")
-    rows = time_rows(device, batches, rates, args.repeats, int(args.host_gib * (1 << 30)), gen)
+    rows = time_rows(device, batches, rates, args.repeats, host_bytes, gen)
     report["timing"] = rows
     print(f"{'batch':>5} {'miss':>6} {'misses':>7} {'us/call':>9} {'GB/s':>7} {'copy GB/s':>9} {'x copy':>6}")
     for r in rows:
@@ -179,4 +214,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

@@ -23,11 +23,15 @@ The memory-hierarchy and miss-rate benchmarks replay these with `load_topk_trace
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from hisparse.cli_args import OneLineParser, existing_file, output_file, positive_int, run_main
 
 
 @dataclass
@@ -121,27 +125,42 @@ def record(prompt_ids: list[int], max_tokens: int, out: str | Path, **engine_arg
     return trace
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hisparse.engine.topk_trace",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+PROG = "python -m hisparse.engine.topk_trace"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     rec = sub.add_parser("record", help="decode with the real model and record the selected positions")
-    rec.add_argument("--prompt-file", type=Path, help="prompt text (default: held-out Python documentation)")
-    rec.add_argument("--length", type=int, default=4096, help="prompt tokens (the text is cut or repeated)")
-    rec.add_argument("--max-tokens", type=int, default=64, help="decode steps to record")
-    rec.add_argument("--top-k", type=int, default=256)
+    rec.add_argument("--prompt-file", type=existing_file, help="prompt text (default: held-out Python documentation)")
+    rec.add_argument("--length", type=positive_int, default=4096,
+                     help="prompt tokens (the text is cut or repeated; with --max-tokens, at most the model's context)")
+    rec.add_argument("--max-tokens", type=positive_int, default=64, help="decode steps to record")
+    rec.add_argument("--top-k", type=positive_int, default=256, help="at most the model's context")
     rec.add_argument("--dense", action="store_true", help="decode densely (record what the indexer would pick)")
-    rec.add_argument("--out", type=Path, required=True)
+    rec.add_argument("--out", type=output_file, required=True)
     show = sub.add_parser("show", help="summarise a trace file")
-    show.add_argument("path", type=Path)
+    show.add_argument("path", type=existing_file)
     args = parser.parse_args(argv)
 
     if args.command == "show":
-        trace = load_topk_trace(args.path)
+        try:
+            trace = load_topk_trace(args.path)
+        except (KeyError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as error:
+            # an .npz of other arrays, an .npy (no archive to open), text, a cut file
+            raise ValueError(f"{args.path}: not a top-k trace file ({str(error).splitlines()[0]})") from None
         print(f"{args.path}: {trace.num_layers} layers, {trace.num_steps} steps, top_k {trace.top_k}, "
               f"prompt {trace.prompt_len}, seq_len {trace.seq_lens.min()}..{trace.seq_lens.max()}, "
               f"dense layers {list(trace.dense_layers)}, sparse {trace.sparse_attention}")
         return
+    from hisparse.models.loader import read_model_config
+
+    context = read_model_config(None).max_position_embeddings
+    if args.length + args.max_tokens > context:
+        rec.error(f"--length + --max-tokens is {args.length + args.max_tokens}, beyond the model's context of "
+                  f"{context} tokens")
+    if args.top_k > context:
+        rec.error(f"--top-k {args.top_k} is beyond the model's context of {context} tokens")
     from hisparse.data.pydoc_corpus import heldout_tokens
     from hisparse.models.loader import resolve_model_path
     from hisparse.models.tokenizer import Tokenizer
@@ -149,6 +168,8 @@ def main(argv=None) -> None:
     tokenizer = Tokenizer.from_path(resolve_model_path(None))
     if args.prompt_file is not None:
         ids = tokenizer.encode(args.prompt_file.read_text())
+        if not ids:  # repeating nothing would never reach --length
+            raise ValueError(f"--prompt-file {args.prompt_file}: the text has no tokens")
         while len(ids) < args.length:
             ids = ids + ids
         ids = ids[:args.length]
@@ -162,4 +183,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog=PROG))

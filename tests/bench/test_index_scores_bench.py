@@ -19,9 +19,9 @@ def test_small_run_prints_a_row_per_batch(capsys):
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--head-dim", "6"], "--head-dim must be a positive multiple of 4"),
-    (["--context", "1"], "--context must be at least 2"),
-    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--head-dim", "6"], "--head-dim: must be a positive multiple of 4"),
+    (["--context", "1"], "--context: must be >= 2"),
+    (["--top-k", "0"], "--top-k: must be >= 1"),
 ])
 def test_bad_flags_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,0 +1,181 @@
+"""Bad flags of the demo, the serving bench, the decode-overhead bench, engine_vs_hf and the `hisparse` script:
+each ends in one line on stderr naming the problem and exit status 2, before any model loads or server starts.
+
+The model's config (and, for engine_vs_hf, its tokenizer) is read once per session here: the commands read
+it before loading to check sizes against the context, and each read costs seconds."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import hisparse.cli as hisparse_cli
+from hisparse import demo
+from hisparse.bench import decode_overhead, engine_vs_hf, serving
+from hisparse.cli_args import run_main
+from hisparse.models import loader
+from hisparse.models.tokenizer import Tokenizer
+
+BIG = str(10**12)
+
+
+def _forbidden(what: str):
+    def call(*args, **kwargs):
+        raise AssertionError(f"{what} was called: a bad flag must be refused before it")
+
+    return call
+
+
+@pytest.fixture(autouse=True)
+def no_expensive_work(monkeypatch):
+    """Loading a model, building an engine or starting a server fails the test; slow reads are cached."""
+    for module in (demo, decode_overhead, engine_vs_hf):
+        monkeypatch.setattr(module, "load_llama", _forbidden("load_llama"))
+        monkeypatch.setattr(module, "LLMEngine", _forbidden("LLMEngine"))
+        monkeypatch.setattr(module, "read_model_config", _cached_model_config)
+    monkeypatch.setattr(serving.ServerProcess, "start", _forbidden("ServerProcess.start"))
+    monkeypatch.setattr(serving, "default_model_reader", _cached_reader)
+    monkeypatch.setattr(engine_vs_hf.Tokenizer, "from_path", _cached_tokenizer)
+
+
+_cached_model_config = functools.cache(loader.read_model_config)
+_cached_reader = functools.cache(serving.default_model_reader)
+_cached_tokenizer = functools.cache(Tokenizer.from_path)
+
+
+def run_command(main, argv: list[str], prog: str, capsys) -> tuple[int, list[str]]:
+    """Exit status and stderr lines of `main(argv)` run as its `python -m` block runs it."""
+    try:
+        code = run_main(main, argv, prog)
+    except SystemExit as done:  # argparse and parser.error exit; run_main turns later ValueErrors into 2
+        code = done.code
+    return code, capsys.readouterr().err.splitlines()
+
+
+def assert_one_line_error(code: int, lines: list[str], prog: str, word: str) -> None:
+    assert code == 2
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: error:") and word in lines[0], lines[0]
+    assert "Traceback" not in lines[0]
+
+
+DEMO = [
+    (["--hisparse-config", "{bad"], "not valid JSON"),
+    (["--hisparse-config", '{"top_kk": 4}'], "unknown field 'top_kk'"),
+    (["--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}'], "device_buffer_size"),
+    (["--prompt-tokens", BIG], "model's context"),
+    (["--requests", BIG], "--requests"),
+    (["--skip-chat", "--prompt-tokens", "20000", "--requests", "1", "--baseline-requests", "1"], "model's context"),
+    (["--output-tokens", "1"], "--output-tokens: must be >= 2"),
+    (["--requests", "0"], "--requests: must be in [1, 4096], got 0"),
+    (["--baseline-requests", "4096", "--prompt-tokens", "8000"], "available"),
+]
+
+
+@pytest.mark.parametrize("argv, word", DEMO)
+def test_demo_bad_flags(argv, word, capsys):
+    prog = demo.PROG
+    assert_one_line_error(*run_command(demo.main, argv, prog, capsys), prog, word)
+
+
+SERVING = [
+    (["--out-dir", "/proc/x"], "cannot write into folder"),
+    (["--concurrency", BIG], "--concurrency"),
+    (["--concurrency", "1,,4"], "empty item"),
+    (["--concurrency", "4,4"], "twice"),
+    (["--concurrency", "4,x"], "not an integer"),
+    (["--rounds", BIG], "--rounds"),
+    (["--min-requests", BIG], "--min-requests"),
+    (["--rounds", "2", "--concurrency", "1,4096"], "8192 requests at a level"),
+    (["--poll-interval", "0"], "--poll-interval: must be > 0"),
+    (["--hisparse-config", "{bad"], "not valid JSON"),
+    (["--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}'], "device_buffer_size"),
+    (["--device-kv-budget", "1000TiB"], "available"),
+    (["--device-kv-budget", "1MiB"], "hot slots"),
+    (["--prompt-tokens", "9000"], "model's context"),
+]
+
+
+@pytest.mark.parametrize("argv, word", SERVING)
+def test_bench_serving_bad_flags(argv, word, capsys, tmp_path):
+    if "--out-dir" not in argv:
+        argv = [*argv, "--out-dir", str(tmp_path / "out")]
+    prog = serving.PROG
+    assert_one_line_error(*run_command(serving.main, argv, prog, capsys), prog, word)
+
+
+def test_bench_serving_refuses_a_file_as_out_dir(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    prog = serving.PROG
+    code, lines = run_command(serving.main, ["--out-dir", str(tmp_path / "file")], prog, capsys)
+    assert_one_line_error(code, lines, prog, "cannot write into folder")
+
+
+DECODE_OVERHEAD = [
+    (["--policies", "bogus,lru"], "'bogus' is not one of"),
+    (["--policies", ",lru"], "empty item"),
+    (["--policies", "lru,lru"], "twice"),
+    (["--policies", "lru,lrfu,fifo"], "two eviction policies"),
+    (["--policies", "lru,lrfu", "--compare-indexer-kernels"], "pick one"),
+    (["--hisparse-config", "{bad"], "not valid JSON"),
+    (["--hisparse-config", '{"bogus": 1}'], "unknown field 'bogus'"),
+    (["--batch", "0"], "--batch: must be in [1,"),
+    (["--batch", "-1"], "--batch: must be in [1,"),
+    (["--batch", BIG], "--batch: must be in [1,"),
+    (["--batch", "4096"], "GiB budget"),
+    (["--context", "0"], "--context: must be >= 1"),
+    (["--context", "100000"], "model's context"),
+    (["--repeats", "0"], "--repeats: must be >= 1"),
+    (["--steps", "0"], "--steps: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv, word", DECODE_OVERHEAD)
+def test_decode_overhead_bad_flags(argv, word, capsys):
+    prog = decode_overhead.PROG
+    assert_one_line_error(*run_command(decode_overhead.main, argv, prog, capsys), prog, word)
+
+
+ENGINE_VS_HF = [
+    (["--threads", "0"], "--threads: must be in [1,"),
+    (["--new-tokens", "0"], "--new-tokens: must be >= 1"),
+    (["--new-tokens", "100000"], "model's context"),
+    (["--repeats", "0"], "--repeats: must be >= 1"),
+    (["--batch-sizes", "1", "-1"], "--batch-sizes: must be in [1,"),
+    (["--batch-sizes", BIG], "--batch-sizes: must be in [1,"),
+]
+
+
+@pytest.mark.parametrize("argv, word", ENGINE_VS_HF)
+def test_engine_vs_hf_bad_flags(argv, word, capsys, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _forbidden("from_pretrained"))
+    prog = engine_vs_hf.PROG
+    assert_one_line_error(*run_command(engine_vs_hf.main, argv, prog, capsys), prog, word)
+
+
+def test_engine_vs_hf_refuses_a_batch_beyond_memory(capsys, monkeypatch):
+    from hisparse.memory import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 1 << 30)
+    prog = engine_vs_hf.PROG
+    code, lines = run_command(engine_vs_hf.main, ["--batch-sizes", "1", "4096"], prog, capsys)
+    assert_one_line_error(code, lines, prog, "more than the 1 GiB of memory available")
+
+
+@pytest.mark.parametrize("main, prog", [(demo.main, demo.PROG), (serving.main, serving.PROG),
+                                        (decode_overhead.main, decode_overhead.PROG),
+                                        (engine_vs_hf.main, engine_vs_hf.PROG)])
+def test_help_works(main, prog, capsys):
+    assert run_command(main, ["--help"], prog, capsys) == (0, [])
+
+
+def test_hisparse_without_a_command_says_so_on_stderr(capsys):
+    assert hisparse_cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: hisparse") and err.splitlines()[-1].startswith("hisparse: error: a command")
+    assert hisparse_cli.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: hisparse")
