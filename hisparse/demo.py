@@ -94,8 +94,7 @@ def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      f"({mc.max_position_embeddings} tokens)")
     # The engine refuses a budget beyond available memory, but only once the model is loaded; K/V alone
     # (no indexer keys) is a lower bound of what the budget below will be.
-    least = args.baseline_requests * request_tokens * KVLayout(
-        mc.num_layers, mc.num_kv_heads, mc.head_dim, resolve_model_dtype()).bytes_per_token
+    least = args.baseline_requests * request_tokens * KVLayout.of(mc, resolve_model_dtype()).bytes_per_token
     try:
         check_fits_in_memory(least, f"the device KV budget for --baseline-requests {args.baseline_requests} "
                                     f"requests of {request_tokens} tokens")
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     # What the baseline pays the device per token: K and V in the model's dtype (kv_cache_dtype "auto"), plus
     # the indexer key. A budget the engines refuse (too few hot slots) is a ValueError: one line by run_main.
-    mc = model.config
-    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    layout = KVLayout.of(model.config, dtype)
     per_token = layout.baseline_bytes_per_token(model.indexer_config.key_layout)
     budget = args.baseline_requests * (args.prompt_tokens + args.output_tokens) * per_token
     hisparse_config = dataclasses.replace(config, device_kv_budget=budget)

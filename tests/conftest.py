@@ -46,3 +46,60 @@ def tokenizer(model_path):
     from hisparse.models.tokenizer import Tokenizer
 
     return Tokenizer.from_path(model_path)
+
+
+@pytest.fixture(scope="session")
+def model_config(model_path):
+    """The default model's config, read once: commands read it to check their flags (seconds for the GGUF)."""
+    from hisparse.models.loader import read_model_config
+
+    return read_model_config(model_path)
+
+
+@pytest.fixture
+def run_command(capsys):
+    """run_command(main, argv, prog) -> (exit status, stdout, stderr lines) of `main(argv)` run as its
+    `python -m` block runs it: through `cli_args.run_main`, a refusal by the parser exiting."""
+    from hisparse.cli_args import run_main
+
+    def run(main, argv: list[str], prog: str) -> tuple[int, str, list[str]]:
+        try:
+            code = run_main(main, argv, prog)
+        except SystemExit as done:
+            code = done.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err.splitlines()
+
+    return run
+
+
+@pytest.fixture
+def assert_refused(run_command):
+    """assert_refused(main, argv, prog, words): the command ends with exit status 2 and exactly one line on
+    stderr, `<prog>: error: ...` holding `words`, no traceback. Returns what it printed on stdout."""
+
+    def check(main, argv: list[str], prog: str, words: str) -> str:
+        code, out, lines = run_command(main, argv, prog)
+        assert code == 2, lines
+        assert len(lines) == 1 and "Traceback" not in lines[0], lines
+        assert lines[0].startswith(f"{prog}: error:") and words in lines[0], lines[0]
+        return out
+
+    return check
+
+
+@pytest.fixture
+def forbid(monkeypatch):
+    """forbid(target, *names): calling any of `target`'s `names` fails the test (work a refused flag must never
+    start: loading a model, recording, timing, starting a server)."""
+
+    def patch(target, *names: str) -> None:
+        for name in names:
+            what = f"{getattr(target, '__name__', target)}.{name}"
+
+            def call(*args, what=what, **kwargs):
+                raise AssertionError(f"{what} was called: a bad flag must be refused before it")
+
+            monkeypatch.setattr(target, name, call)
+
+    return patch

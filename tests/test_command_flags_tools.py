@@ -10,46 +10,22 @@ import sys
 import pytest
 
 from hisparse import quality_report, train_indexer
-from hisparse.cli_args import run_main
 from hisparse.layers.indexer import SHIPPED_WEIGHTS
 
 
-@pytest.fixture(scope="module")
-def model_config():
-    from hisparse.models.loader import read_model_config
-
-    return read_model_config(None)
-
-
 @pytest.fixture
-def no_work(monkeypatch, tmp_path, model_config, tokenizer):
+def no_work(monkeypatch, forbid, tmp_path, model_config, tokenizer):
     """The model's config and tokenizer from the session; loading the model or capturing fails the test."""
     import hisparse.models.loader as loader
     from hisparse.models.tokenizer import Tokenizer
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("expensive work started before the flags were checked")
-
     monkeypatch.setattr(loader, "read_model_config", lambda model=None: model_config)
-    monkeypatch.setattr(loader, "load_llama", forbidden)
+    forbid(loader, "load_llama")
+    forbid(train_indexer, "_frozen_model", "capture_to_memmap")
     monkeypatch.setattr(Tokenizer, "from_path", classmethod(lambda cls, path: tokenizer))
     monkeypatch.setattr(train_indexer, "_tokenizer", lambda: tokenizer)
-    monkeypatch.setattr(train_indexer, "_frozen_model", forbidden)
-    monkeypatch.setattr(train_indexer, "capture_to_memmap", forbidden)
     monkeypatch.chdir(tmp_path)  # the default --json / --out land here, not in the checkout
     return tmp_path
-
-
-def assert_refused(capsys, main, argv: list[str], prog: str, message: str) -> None:
-    try:
-        status = run_main(main, argv, prog)
-    except SystemExit as exit_:  # refused by the parser
-        status = exit_.code
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert status == 2, captured.err
-    assert "Traceback" not in captured.err and len(lines) == 1, captured.err
-    assert lines[0].startswith(f"{prog}: error: ") and message in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -75,13 +51,13 @@ def assert_refused(capsys, main, argv: list[str], prog: str, message: str) -> No
     (["--json", "/proc/x"], "--json: cannot write into folder '/proc'"),
     (["--json", "/proc/x/y.json"], "--json: cannot write into folder '/proc/x'"),
 ])
-def test_quality_report_refuses_bad_flags_before_loading(capsys, no_work, argv, message):
-    assert_refused(capsys, quality_report.main, argv, quality_report.PROG, message)
+def test_quality_report_refuses_bad_flags_before_loading(assert_refused, no_work, argv, message):
+    assert_refused(quality_report.main, argv, quality_report.PROG, message)
 
 
-def test_quality_report_refuses_weights_that_are_not_indexers(capsys, no_work):
+def test_quality_report_refuses_weights_that_are_not_indexers(assert_refused, no_work):
     (no_work / "junk.safetensors").write_bytes(b"not safetensors")
-    assert_refused(capsys, quality_report.main, ["--indexer", "junk.safetensors"], quality_report.PROG,
+    assert_refused(quality_report.main, ["--indexer", "junk.safetensors"], quality_report.PROG,
                    "is not a safetensors file")
 
 
@@ -137,18 +113,18 @@ def test_the_smallest_accepted_report_has_no_nan_and_one_position_less_has(llama
     (["--stop-after", "0"], "--stop-after: must be >= 1, got 0"),
     (["--lr", "nan"], "--lr: must be > 0, got nan"),
 ])
-def test_train_indexer_refuses_bad_flags_before_capturing(capsys, no_work, argv, message):
+def test_train_indexer_refuses_bad_flags_before_capturing(assert_refused, no_work, argv, message):
     (no_work / "afile").write_text("")
     out = [] if argv[0] == "--out" else ["--out", str(no_work / "run")]
-    assert_refused(capsys, train_indexer.main, [*out, *argv], train_indexer.PROG, message)
+    assert_refused(train_indexer.main, [*out, *argv], train_indexer.PROG, message)
 
 
-def test_train_indexer_refuses_init_weights_of_another_model(capsys, no_work):
+def test_train_indexer_refuses_init_weights_of_another_model(assert_refused, no_work):
     from hisparse.layers.indexer import IndexerConfig, LlamaIndexer, save_indexer_weights
 
     path = no_work / "two_layers.safetensors"
     save_indexer_weights(path, [LlamaIndexer(576, 64, IndexerConfig()) for _ in range(2)], IndexerConfig())
-    assert_refused(capsys, train_indexer.main, ["--out", str(no_work / "run"), "--init", str(path)],
+    assert_refused(train_indexer.main, ["--out", str(no_work / "run"), "--init", str(path)],
                    train_indexer.PROG, "holds indexers of 2 layers; the model has 30")
 
 

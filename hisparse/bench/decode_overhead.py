@@ -100,8 +100,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Eng
         parser.error(f"--context + --steps + 1 = {request_tokens} tokens exceeds the model's context "
                      f"({mc.max_position_embeddings} tokens)")
     # K/V alone (no indexer keys) is a lower bound of what the baseline pays per token.
-    least = args.batch * request_tokens * KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                   resolve_model_dtype()).bytes_per_token
+    least = args.batch * request_tokens * KVLayout.of(mc, resolve_model_dtype()).bytes_per_token
     if least > BUDGET:
         parser.error(f"--batch {args.batch} requests of {request_tokens} tokens need at least {least / GIB:.1f} GiB "
                      f"of K/V, more than the {BUDGET / GIB:.0f} GiB budget that runs the whole batch at once")

@@ -75,7 +75,7 @@ def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, promp
         parser.error(f"the {prompt_tokens}-token prompt + --new-tokens {args.new_tokens} exceeds the model's "
                      f"context ({mc.max_position_embeddings} tokens)")
     batch = max(args.batch_sizes)
-    needed = batch * tokens * KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32).bytes_per_token
+    needed = batch * tokens * KVLayout.of(mc, torch.float32).bytes_per_token
     try:
         check_fits_in_memory(needed, f"transformers' K/V cache of --batch-sizes {batch} x {tokens} tokens")
     except ValueError as error:

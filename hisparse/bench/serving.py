@@ -119,7 +119,7 @@ def default_model_shape(reader) -> tuple[KVLayout, int, int]:
     with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
         index_key = IndexerConfig.from_json(f.metadata()["indexer_config"]).key_layout
     # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, resolve_model_dtype())
+    layout = KVLayout.of(config, resolve_model_dtype())
     return layout, index_key, config.max_position_embeddings
 
 
@@ -129,8 +129,7 @@ def check_memory(budget: int, layout: KVLayout, index_key, config) -> None:
     loading."""
     from hisparse.memory.hisparse_pools import PoolSizing
 
-    sizing = PoolSizing(layout.num_layers, layout.bytes_per_token // layout.num_layers, index_key.row_bytes, config,
-                        budget)
+    sizing = PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget)
     sizing.check("cpu")
 
 

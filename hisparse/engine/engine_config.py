@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-GIB = 1 << 30
+from hisparse.memory.host_memory import GIB
+
 DTYPES = ("auto", "float32", "bfloat16")  # what `dtype` and `kv_cache_dtype` accept (and their CLI flags)
 
 

@@ -43,8 +43,7 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_path(path)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
-        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                          self.config.kv_dtype(self.model.embed_tokens.weight.dtype))
+        layout = KVLayout.of(mc, self.config.kv_dtype(self.model.embed_tokens.weight.dtype))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = self.config.resolved_kv_budget(weight_bytes)
         sparse = self._sparse_decode()

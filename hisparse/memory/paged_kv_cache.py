@@ -33,14 +33,24 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype = torch.float32
 
+    @classmethod
+    def of(cls, config, dtype: torch.dtype) -> KVLayout:
+        """The K/V layout of a model with this config (a LlamaConfig: its weights need not be loaded)."""
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+
     @property
     def row_size(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
 
     @property
+    def row_bytes(self) -> int:
+        """One token's K/V in one layer: a row of the pools."""
+        return self.row_size * self.dtype.itemsize
+
+    @property
     def bytes_per_token(self) -> int:
         """Device bytes of one token's K/V across all layers."""
-        return self.num_layers * self.row_size * torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * self.row_bytes
 
     def baseline_bytes_per_token(self, index_key: IndexKeyFormat | None = None) -> int:
         """What one token costs the baseline's device pool: its K/V in every layer plus, with an indexer,

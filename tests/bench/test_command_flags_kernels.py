@@ -7,59 +7,27 @@ context, and each read costs seconds."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from hisparse.bench import index_scores, missrate, swap_in, swap_in_cuda
-from hisparse.cli_args import run_main
 from hisparse.engine import topk_trace
 from hisparse.models import loader
 
 BIG = str(10**12)
 
 
-def _forbidden(what: str):
-    def call(*args, **kwargs):
-        raise AssertionError(f"{what} was called: a bad flag must be refused before it")
-
-    return call
-
-
-_cached_model_config = functools.cache(loader.read_model_config)
-
-
 @pytest.fixture(autouse=True)
-def no_expensive_work(monkeypatch):
+def no_expensive_work(monkeypatch, forbid, model_config):
     """Recording, replaying, allocating pools and timing fail the test; the model's config is read once."""
-    for module, names in ((missrate, ("load_or_record", "synthetic_trace", "run")),
-                          (swap_in, ("PlainCopy", "table_for")),
-                          (swap_in_cuda, ("check_policy", "time_rows")),
-                          (index_scores, ("IndexerKeyCache", "time_selection")),
-                          (topk_trace, ("record",))):
-        for name in names:
-            monkeypatch.setattr(module, name, _forbidden(f"{module.__name__}.{name}"))
-    monkeypatch.setattr(loader, "read_model_config", _cached_model_config)
+    forbid(missrate, "load_or_record", "synthetic_trace", "run")
+    forbid(swap_in, "PlainCopy", "table_for")
+    forbid(swap_in_cuda, "check_policy", "time_rows")
+    forbid(index_scores, "IndexerKeyCache", "time_selection")
+    forbid(topk_trace, "record")
+    monkeypatch.setattr(loader, "read_model_config", lambda model=None: model_config)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that --device cpu gets past its own check
-
-
-def run_command(main, argv: list[str], prog: str, capsys) -> tuple[int, list[str]]:
-    """Exit status and stderr lines of `main(argv)` run as its `python -m` block runs it."""
-    try:
-        code = run_main(main, argv, prog)
-    except SystemExit as done:  # argparse and parser.error exit; run_main turns later ValueErrors into 2
-        code = done.code
-    return code, capsys.readouterr().err.splitlines()
-
-
-def assert_refused(main, prog: str, argv: list[str], word: str, capsys) -> None:
-    code, lines = run_command(main, argv, prog, capsys)
-    assert code == 2, lines
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"{prog}: error:") and word in lines[0], lines[0]
-    assert "Traceback" not in lines[0]
 
 
 SYN = ["--synthetic"]
@@ -88,9 +56,9 @@ SYN = ["--synthetic"]
     (["--trace-dir", "/proc/x"], "--trace-dir"),
     (["--split", "dev"], "--split"),
 ])
-def test_missrate_refuses(argv, word, tmp_path, capsys):
+def test_missrate_refuses(argv, word, tmp_path, assert_refused):
     out = [] if "--out" in argv else ["--out", str(tmp_path)]
-    assert_refused(missrate.main, missrate.PROG, [*argv, *out], word, capsys)
+    assert_refused(missrate.main, [*argv, *out], missrate.PROG, word)
 
 
 @pytest.mark.parametrize(("argv", "word"), [
@@ -119,13 +87,13 @@ def test_missrate_refuses(argv, word, tmp_path, capsys):
     (["--buffer", "0"], "--buffer: must be >= 1"),
     (["--top-k", "64", "--buffer", "32"], "--top-k must not exceed --buffer"),
 ])
-def test_swap_in_refuses(argv, word, capsys):
-    assert_refused(swap_in.main, swap_in.PROG, argv, word, capsys)
+def test_swap_in_refuses(argv, word, assert_refused):
+    assert_refused(swap_in.main, argv, swap_in.PROG, word)
 
 
-def test_swap_in_triton_needs_the_interpreter(monkeypatch, capsys):
+def test_swap_in_triton_needs_the_interpreter(monkeypatch, assert_refused):
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert_refused(swap_in.main, swap_in.PROG, ["--backends", "triton"], "TRITON_INTERPRET=1", capsys)
+    assert_refused(swap_in.main, ["--backends", "triton"], swap_in.PROG, "TRITON_INTERPRET=1")
 
 
 CPU = ["--device", "cpu"]
@@ -148,18 +116,18 @@ CPU = ["--device", "cpu"]
     (["--out", "/proc/x", *CPU], "--out"),
     (["--out", "/tmp", *CPU], "a folder"),
 ])
-def test_swap_in_cuda_refuses(argv, word, capsys):
-    assert_refused(swap_in_cuda.main, swap_in_cuda.PROG, argv, word, capsys)
+def test_swap_in_cuda_refuses(argv, word, assert_refused):
+    assert_refused(swap_in_cuda.main, argv, swap_in_cuda.PROG, word)
 
 
-def test_swap_in_cuda_cpu_needs_the_interpreter(monkeypatch, capsys):
+def test_swap_in_cuda_cpu_needs_the_interpreter(monkeypatch, assert_refused):
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert_refused(swap_in_cuda.main, swap_in_cuda.PROG, CPU, "TRITON_INTERPRET=1", capsys)
+    assert_refused(swap_in_cuda.main, CPU, swap_in_cuda.PROG, "TRITON_INTERPRET=1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_swap_in_cuda_without_cuda_exits_2(capsys):
-    assert_refused(swap_in_cuda.main, swap_in_cuda.PROG, [], "no CUDA device", capsys)
+def test_swap_in_cuda_without_cuda_exits_2(assert_refused):
+    assert_refused(swap_in_cuda.main, [], swap_in_cuda.PROG, "no CUDA device")
 
 
 @pytest.mark.parametrize(("argv", "word"), [
@@ -178,8 +146,8 @@ def test_swap_in_cuda_without_cuda_exits_2(capsys):
     (["--top-k", "0"], "--top-k"),
     (["--repeats", "0"], "--repeats"),
 ])
-def test_index_scores_refuses(argv, word, capsys):
-    assert_refused(index_scores.main, index_scores.PROG, argv, word, capsys)
+def test_index_scores_refuses(argv, word, assert_refused):
+    assert_refused(index_scores.main, argv, index_scores.PROG, word)
 
 
 @pytest.mark.parametrize(("argv", "word"), [
@@ -196,11 +164,11 @@ def test_index_scores_refuses(argv, word, capsys):
     (["show", "{tmp}/other.npz"], "not a top-k trace file"),
     (["show", "{tmp}/text.npz"], "not a top-k trace file"),
 ])
-def test_topk_trace_refuses(argv, word, tmp_path, capsys):
+def test_topk_trace_refuses(argv, word, tmp_path, run_command):
     np.savez(tmp_path / "other.npz", a=np.arange(3))
     (tmp_path / "text.npz").write_text("not an archive")
     argv = [a.format(tmp=tmp_path) for a in argv]
-    code, lines = run_command(topk_trace.main, argv, topk_trace.PROG, capsys)
+    code, _, lines = run_command(topk_trace.main, argv, topk_trace.PROG)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(topk_trace.PROG) and "error:" in lines[0] and word in lines[0], lines[0]
 

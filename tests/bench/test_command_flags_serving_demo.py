@@ -13,51 +13,24 @@ import pytest
 import hisparse.cli as hisparse_cli
 from hisparse import demo
 from hisparse.bench import decode_overhead, engine_vs_hf, serving
-from hisparse.cli_args import run_main
-from hisparse.models import loader
 from hisparse.models.tokenizer import Tokenizer
 
 BIG = str(10**12)
 
 
-def _forbidden(what: str):
-    def call(*args, **kwargs):
-        raise AssertionError(f"{what} was called: a bad flag must be refused before it")
-
-    return call
-
-
 @pytest.fixture(autouse=True)
-def no_expensive_work(monkeypatch):
+def no_expensive_work(monkeypatch, forbid, model_config):
     """Loading a model, building an engine or starting a server fails the test; slow reads are cached."""
     for module in (demo, decode_overhead, engine_vs_hf):
-        monkeypatch.setattr(module, "load_llama", _forbidden("load_llama"))
-        monkeypatch.setattr(module, "LLMEngine", _forbidden("LLMEngine"))
-        monkeypatch.setattr(module, "read_model_config", _cached_model_config)
-    monkeypatch.setattr(serving.ServerProcess, "start", _forbidden("ServerProcess.start"))
+        forbid(module, "load_llama", "LLMEngine")
+        monkeypatch.setattr(module, "read_model_config", lambda model=None: model_config)
+    forbid(serving.ServerProcess, "start")
     monkeypatch.setattr(serving, "default_model_reader", _cached_reader)
     monkeypatch.setattr(engine_vs_hf.Tokenizer, "from_path", _cached_tokenizer)
 
 
-_cached_model_config = functools.cache(loader.read_model_config)
 _cached_reader = functools.cache(serving.default_model_reader)
 _cached_tokenizer = functools.cache(Tokenizer.from_path)
-
-
-def run_command(main, argv: list[str], prog: str, capsys) -> tuple[int, list[str]]:
-    """Exit status and stderr lines of `main(argv)` run as its `python -m` block runs it."""
-    try:
-        code = run_main(main, argv, prog)
-    except SystemExit as done:  # argparse and parser.error exit; run_main turns later ValueErrors into 2
-        code = done.code
-    return code, capsys.readouterr().err.splitlines()
-
-
-def assert_one_line_error(code: int, lines: list[str], prog: str, word: str) -> None:
-    assert code == 2
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"{prog}: error:") and word in lines[0], lines[0]
-    assert "Traceback" not in lines[0]
 
 
 DEMO = [
@@ -74,9 +47,8 @@ DEMO = [
 
 
 @pytest.mark.parametrize("argv, word", DEMO)
-def test_demo_bad_flags(argv, word, capsys):
-    prog = demo.PROG
-    assert_one_line_error(*run_command(demo.main, argv, prog, capsys), prog, word)
+def test_demo_bad_flags(argv, word, assert_refused):
+    assert_refused(demo.main, argv, demo.PROG, word)
 
 
 SERVING = [
@@ -98,18 +70,15 @@ SERVING = [
 
 
 @pytest.mark.parametrize("argv, word", SERVING)
-def test_bench_serving_bad_flags(argv, word, capsys, tmp_path):
+def test_bench_serving_bad_flags(argv, word, assert_refused, tmp_path):
     if "--out-dir" not in argv:
         argv = [*argv, "--out-dir", str(tmp_path / "out")]
-    prog = serving.PROG
-    assert_one_line_error(*run_command(serving.main, argv, prog, capsys), prog, word)
+    assert_refused(serving.main, argv, serving.PROG, word)
 
 
-def test_bench_serving_refuses_a_file_as_out_dir(tmp_path, capsys):
+def test_bench_serving_refuses_a_file_as_out_dir(tmp_path, assert_refused):
     (tmp_path / "file").write_text("")
-    prog = serving.PROG
-    code, lines = run_command(serving.main, ["--out-dir", str(tmp_path / "file")], prog, capsys)
-    assert_one_line_error(code, lines, prog, "cannot write into folder")
+    assert_refused(serving.main, ["--out-dir", str(tmp_path / "file")], serving.PROG, "cannot write into folder")
 
 
 DECODE_OVERHEAD = [
@@ -132,9 +101,8 @@ DECODE_OVERHEAD = [
 
 
 @pytest.mark.parametrize("argv, word", DECODE_OVERHEAD)
-def test_decode_overhead_bad_flags(argv, word, capsys):
-    prog = decode_overhead.PROG
-    assert_one_line_error(*run_command(decode_overhead.main, argv, prog, capsys), prog, word)
+def test_decode_overhead_bad_flags(argv, word, assert_refused):
+    assert_refused(decode_overhead.main, argv, decode_overhead.PROG, word)
 
 
 ENGINE_VS_HF = [
@@ -148,28 +116,27 @@ ENGINE_VS_HF = [
 
 
 @pytest.mark.parametrize("argv, word", ENGINE_VS_HF)
-def test_engine_vs_hf_bad_flags(argv, word, capsys, monkeypatch):
+def test_engine_vs_hf_bad_flags(argv, word, assert_refused, forbid):
     import transformers
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _forbidden("from_pretrained"))
-    prog = engine_vs_hf.PROG
-    assert_one_line_error(*run_command(engine_vs_hf.main, argv, prog, capsys), prog, word)
+    forbid(transformers.AutoModelForCausalLM, "from_pretrained")
+    assert_refused(engine_vs_hf.main, argv, engine_vs_hf.PROG, word)
 
 
-def test_engine_vs_hf_refuses_a_batch_beyond_memory(capsys, monkeypatch):
+def test_engine_vs_hf_refuses_a_batch_beyond_memory(assert_refused, monkeypatch):
     from hisparse.memory import host_memory
 
     monkeypatch.setattr(host_memory, "available_host_memory", lambda: 1 << 30)
-    prog = engine_vs_hf.PROG
-    code, lines = run_command(engine_vs_hf.main, ["--batch-sizes", "1", "4096"], prog, capsys)
-    assert_one_line_error(code, lines, prog, "more than the 1 GiB of memory available")
+    assert_refused(engine_vs_hf.main, ["--batch-sizes", "1", "4096"], engine_vs_hf.PROG,
+                   "more than the 1 GiB of memory available")
 
 
 @pytest.mark.parametrize("main, prog", [(demo.main, demo.PROG), (serving.main, serving.PROG),
                                         (decode_overhead.main, decode_overhead.PROG),
                                         (engine_vs_hf.main, engine_vs_hf.PROG)])
-def test_help_works(main, prog, capsys):
-    assert run_command(main, ["--help"], prog, capsys) == (0, [])
+def test_help_works(main, prog, run_command):
+    code, _, lines = run_command(main, ["--help"], prog)
+    assert (code, lines) == (0, [])
 
 
 def test_hisparse_without_a_command_says_so_on_stderr(capsys):
