@@ -29,9 +29,7 @@ from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
 from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama, read_model_config
-from hisparse.models.tokenizer import Tokenizer
+from hisparse.models.loader import ModelFiles, load_llama, open_model
 
 PROG = "python -m hisparse.demo"
 MAX_REQUESTS = 4096  # far more than this machine serves at once; a cap, so that a typo cannot build 10**12 prompts
@@ -79,15 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[EngineConfig, ModelFiles]:
     """Everything the flags can get wrong, found from the model's config before its weights load (a request
-    past the context failed after loading and warm-up). Returns the HiSparse engine's config, budget unset."""
+    past the context failed after loading and warm-up). Returns the HiSparse engine's config, budget unset,
+    and the opened model for its weights and tokenizer."""
     try:
         config = EngineConfig(max_running_requests=args.requests, enable_hisparse=True,
                               hisparse_config=args.hisparse_config)
     except ValueError as error:
         parser.error(f"argument --hisparse-config: {error}")
-    mc = read_model_config(None)
+    files = open_model(None)
+    mc = files.config
     request_tokens = args.prompt_tokens + args.output_tokens
     if request_tokens > mc.max_position_embeddings:
         parser.error(f"--prompt-tokens + --output-tokens = {request_tokens} exceeds the model's context "
@@ -100,18 +100,17 @@ def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                                     f"requests of {request_tokens} tokens")
     except ValueError as error:
         parser.error(str(error))
-    return config
+    return config, files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = check_workload(parser, args)
+    config, files = check_workload(parser, args)
 
-    path = default_model_path()
-    print(f"loading {path.name} with its lightning indexers ...", flush=True)
+    print(f"loading {files.path.name} with its lightning indexers ...", flush=True)
     dtype = resolve_model_dtype()
-    model, tokenizer = load_llama(path, dtype=dtype), Tokenizer.from_path(path)
+    model, tokenizer = load_llama(files, dtype=dtype), files.tokenizer()
     if getattr(model, "indexer_config", None) is None:
         print(f"{PROG}: error: the shipped indexer weights are missing; run `python -m hisparse.train_indexer`",
               file=sys.stderr)

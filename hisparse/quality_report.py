@@ -376,17 +376,17 @@ def check_passkey_fits(args: argparse.Namespace, tokenizer) -> None:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from hisparse.models.loader import load_llama, read_model_config, resolve_model_path
-    from hisparse.models.tokenizer import Tokenizer
+    from hisparse.models.loader import load_llama, open_model
 
-    config = read_model_config(None)
+    files = open_model(None)
+    config = files.config
     check_args(args, config.num_layers, config.max_position_embeddings)
-    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    tokenizer = files.tokenizer()
     check_passkey_fits(args, tokenizer)
     torch.set_num_threads(args.threads)
 
     dtype = resolve_model_dtype(args.dtype)
-    model = load_llama(None, indexer=args.indexer if args.indexer else True, dtype=dtype)
+    model = load_llama(files, indexer=args.indexer if args.indexer else True, dtype=dtype)
     dense_layers = tuple(model.indexer_config.dense_layers if args.dense_layers is None else args.dense_layers)
     alt = None if args.compare_dense_layers is None else tuple(args.compare_dense_layers)
     started = time.perf_counter()

@@ -13,20 +13,28 @@ def model_path():
 
 
 @pytest.fixture(scope="session")
-def llama(model_path):
-    from hisparse.models.loader import load_llama
+def model_files(model_path):
+    """The default model's GGUF opened once (3 s each time): its config, weights and tokenizer come from it."""
+    from hisparse.models.loader import open_model
 
-    return load_llama(model_path)
+    return open_model(model_path)
 
 
 @pytest.fixture(scope="session")
-def llama_bf16(model_path):
+def llama(model_files):
+    from hisparse.models.loader import load_llama
+
+    return load_llama(model_files)
+
+
+@pytest.fixture(scope="session")
+def llama_bf16(model_files):
     """The same model in bfloat16, the dtype the engine picks on CPUs that multiply in it natively."""
     import torch
 
     from hisparse.models.loader import load_llama
 
-    return load_llama(model_path, dtype=torch.bfloat16)
+    return load_llama(model_files, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
@@ -42,18 +50,28 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_path):
-    from hisparse.models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(model_path)
+def tokenizer(model_files):
+    return model_files.tokenizer()
 
 
 @pytest.fixture(scope="session")
-def model_config(model_path):
-    """The default model's config, read once: commands read it to check their flags (seconds for the GGUF)."""
-    from hisparse.models.loader import read_model_config
+def model_config(model_files):
+    """The default model's config: commands read it to check their flags."""
+    return model_files.config
 
-    return read_model_config(model_path)
+
+@pytest.fixture
+def opened_model(monkeypatch, model_files):
+    """opened_model(*modules): the modules' `open_model` (and the loader's) hand out the session's opened model,
+    so that a command checking its flags does not spend seconds reading the GGUF."""
+
+    def patch(*modules) -> None:
+        import hisparse.models.loader as loader
+
+        for module in (loader, *modules):
+            monkeypatch.setattr(module, "open_model", lambda model=None: model_files)
+
+    return patch
 
 
 @pytest.fixture

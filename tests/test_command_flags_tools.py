@@ -14,15 +14,13 @@ from hisparse.layers.indexer import SHIPPED_WEIGHTS
 
 
 @pytest.fixture
-def no_work(monkeypatch, forbid, tmp_path, model_config, tokenizer):
+def no_work(monkeypatch, forbid, opened_model, tmp_path, tokenizer):
     """The model's config and tokenizer from the session; loading the model or capturing fails the test."""
     import hisparse.models.loader as loader
-    from hisparse.models.tokenizer import Tokenizer
 
-    monkeypatch.setattr(loader, "read_model_config", lambda model=None: model_config)
+    opened_model()
     forbid(loader, "load_llama")
     forbid(train_indexer, "_frozen_model", "capture_to_memmap")
-    monkeypatch.setattr(Tokenizer, "from_path", classmethod(lambda cls, path: tokenizer))
     monkeypatch.setattr(train_indexer, "_tokenizer", lambda: tokenizer)
     monkeypatch.chdir(tmp_path)  # the default --json / --out land here, not in the checkout
     return tmp_path

@@ -38,9 +38,7 @@ from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
 from hisparse.memory.eviction import EVICTION_POLICIES
 from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama, read_model_config
-from hisparse.models.tokenizer import Tokenizer
+from hisparse.models.loader import ModelFiles, load_llama, open_model
 
 PROG = "python -m hisparse.bench.decode_overhead"
 BUDGET = 2 * GIB  # device KV budget of both engines: the whole batch must fit it, so that both run it at once
@@ -82,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[EngineConfig, ModelFiles]:
     """What the flags can get wrong, found before the model loads (each of these failed after loading, some
-    after the warm-up too). Returns the HiSparse engine's config."""
+    after the warm-up too). Returns the HiSparse engine's config and the opened model."""
     if args.policies is not None and len(args.policies) != 2:
         parser.error("--policies takes two eviction policies, e.g. lru,lrfu")
     if args.policies is not None and args.compare_indexer_kernels:
@@ -94,7 +92,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Eng
                                 enable_hisparse=True, hisparse_config=args.hisparse_config)
     except ValueError as error:
         parser.error(f"argument --hisparse-config: {error}")
-    mc = read_model_config(None)
+    files = open_model(None)
+    mc = files.config
     request_tokens = args.context + args.steps + 1  # each request generates steps + 1 tokens
     if request_tokens > mc.max_position_embeddings:
         parser.error(f"--context + --steps + 1 = {request_tokens} tokens exceeds the model's context "
@@ -104,17 +103,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Eng
     if least > BUDGET:
         parser.error(f"--batch {args.batch} requests of {request_tokens} tokens need at least {least / GIB:.1f} GiB "
                      f"of K/V, more than the {BUDGET / GIB:.0f} GiB budget that runs the whole batch at once")
-    return hisparse
+    return hisparse, files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    hisparse = check_args(parser, args)
+    hisparse, files = check_args(parser, args)
     policies = args.policies
 
-    path = default_model_path()
-    model, tokenizer = load_llama(path, dtype=resolve_model_dtype()), Tokenizer.from_path(path)
+    model, tokenizer = load_llama(files, dtype=resolve_model_dtype()), files.tokenizer()
     prompts = [heldout_tokens(tokenizer, args.context, offset=131 * i) for i in range(args.batch)]
     if args.compare_indexer_kernels:
         configs = {"torch indexer": hisparse.without_hisparse(), "compiled indexer": hisparse.without_hisparse()}

@@ -23,9 +23,8 @@ from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.models.default_model import default_model_path
-from hisparse.models.loader import load_llama, read_model_config
-from hisparse.models.tokenizer import Tokenizer
+from hisparse.models.config import LlamaConfig
+from hisparse.models.loader import load_llama, open_model
 
 PROG = "python -m hisparse.bench.engine_vs_hf"
 MAX_BATCH = 4096  # a cap checked first, so that a typo builds no 10**12 prompts; memory bounds it further
@@ -66,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, prompt_tokens: int) -> None:
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, prompt_tokens: int,
+                mc: LlamaConfig) -> None:
     """Found from the model's config before either model loads (35 s): a run past the context failed only
     then, and transformers' cache for the largest batch must fit in memory (float32 K/V, as it loads)."""
-    mc = read_model_config(None)
     tokens = prompt_tokens + args.new_tokens
     if tokens > mc.max_position_embeddings:
         parser.error(f"the {prompt_tokens}-token prompt + --new-tokens {args.new_tokens} exceeds the model's "
@@ -85,10 +84,10 @@ def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, promp
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    path = default_model_path()
-    tokenizer = Tokenizer.from_path(path)
+    files = open_model(None)
+    tokenizer = files.tokenizer()
     base = tokenizer.encode(TEXT)
-    check_sizes(parser, args, len(base))
+    check_sizes(parser, args, len(base), files.config)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -96,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The dense model on both sides: this compares engines, not attention kinds.
     engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes), sparse_attention=False),
-                       model=load_llama(path, indexer=False), tokenizer=tokenizer)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+                       model=load_llama(files, indexer=False), tokenizer=tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(str(files.path.parent), gguf_file=files.path.name,
+                                              dtype=torch.float32).eval()
     print(f"{'batch':>5} {'hisparse tok/s':>15} {'transformers tok/s':>19} {'ratio':>7} {'outside forward':>16}")
     our_run(engine, [base], 4)  # warm-up both
     hf_run(hf, [base], 4)

@@ -54,6 +54,7 @@ from hisparse.cli_args import (
 )
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.memory.paged_kv_cache import KVLayout
+from hisparse.models.loader import ModelFiles, open_model
 
 MODES = ("baseline", "hisparse")
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
@@ -94,33 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
 # -- sizing -------------------------------------------------------------------------------------------
 
 
-def default_model_reader():
-    """The default model's GGUF header, for its shape now and its tokenizer later (seconds: it indexes the whole
-    vocabulary)."""
-    import gguf
-
-    from hisparse.models.default_model import default_model_path
-
-    return gguf.GGUFReader(str(default_model_path()))
-
-
-def default_model_shape(reader) -> tuple[KVLayout, int, int]:
+def default_model_shape(files: ModelFiles) -> tuple[KVLayout, int, int]:
     """(K/V layout as the servers store it, indexer key format, context length) of the default model, read
-    from its GGUF header and the shipped indexer's metadata without loading any weights."""
-    from safetensors import safe_open
+    from its config and the shipped indexer's metadata without loading any weights."""
+    from hisparse.layers.indexer import read_indexer_config
 
-    from hisparse.layers.indexer import SHIPPED_WEIGHTS, IndexerConfig
-    from hisparse.models.gguf_loader import read_config
-
-    config = read_config(reader)
-    if not SHIPPED_WEIGHTS.exists():
-        raise FileNotFoundError(f"the default model's indexer weights are missing ({SHIPPED_WEIGHTS}); "
-                                "run `python -m hisparse.train_indexer`")
-    with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
-        index_key = IndexerConfig.from_json(f.metadata()["indexer_config"]).key_layout
+    shipped = files.default_indexer_weights()
+    if shipped is None:
+        raise FileNotFoundError("the default model's indexer weights are missing; run `python -m "
+                                "hisparse.train_indexer`")
+    index_key = read_indexer_config(shipped).key_layout
     # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
-    layout = KVLayout.of(config, resolve_model_dtype())
-    return layout, index_key, config.max_position_embeddings
+    layout = KVLayout.of(files.config, resolve_model_dtype())
+    return layout, index_key, files.config.max_position_embeddings
 
 
 def check_memory(budget: int, layout: KVLayout, index_key, config) -> None:
@@ -203,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds} x --concurrency {levels[-1]} = {args.rounds * levels[-1]} requests at "
                      f"a level, more than {MAX_LEVEL_REQUESTS}")
     try:
-        reader = default_model_reader()
-        layout, index_key, max_context = default_model_shape(reader)
+        files = open_model(None)  # seconds: its tokenizer comes from it later
+        layout, index_key, max_context = default_model_shape(files)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     request_tokens = args.prompt_tokens + args.output_tokens
@@ -239,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():  # both load at once; an idle server costs the other nothing
             server.start()
         from hisparse.data.pydoc_corpus import corpus_tokens
-        from hisparse.models.tokenizer import Tokenizer
 
-        stream = corpus_tokens(Tokenizer.from_gguf(reader), "heldout")
+        stream = corpus_tokens(files.tokenizer(), "heldout")
         wait_ready(list(servers.values()))
         model = servers["baseline"].model_name()
         capacity = {mode: admits(mode, servers[mode].metrics(), request_tokens, config.device_buffer_size,

@@ -90,15 +90,21 @@ class EngineConfig:
         176 ms per step without HiSparse, 187 vs 209 ms with it, same run)."""
         return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
-    def resolved_kv_budget(self, weight_bytes: int) -> int:
-        """On a GPU, a fraction of what the weights leave free (like --mem-fraction-static); on the CPU,
-        where device memory is only a budget, 1 GiB unless the user says otherwise."""
+    def kv_budget_before_weights(self) -> int | None:
+        """The budget when the weights do not decide it (the user's, or the CPU's 1 GiB, since there device
+        memory is only a budget), so that the engine can size its cache before it loads them; else None."""
         if self.device_kv_budget is not None:
             return self.device_kv_budget
-        if self.device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            return int(0.85 * free) - weight_bytes
-        return GIB
+        return None if self.device.startswith("cuda") else GIB
+
+    def resolved_kv_budget(self, weight_bytes: int) -> int:
+        """On a GPU with no budget given, a fraction of what the weights leave free (like
+        --mem-fraction-static)."""
+        budget = self.kv_budget_before_weights()
+        if budget is not None:
+            return budget
+        free, _ = torch.cuda.mem_get_info()
+        return int(0.85 * free) - weight_bytes
 
 
 def resolve_model_dtype(dtype: str = "auto", device: str = "cpu") -> torch.dtype:

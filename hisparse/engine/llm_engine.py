@@ -14,9 +14,10 @@ from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
+from hisparse.layers.indexer import read_indexer_config
 from hisparse.memory.hisparse_cache import HiSparseKVCache
 from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
-from hisparse.models.loader import load_llama, resolve_model_path
+from hisparse.models.loader import load_llama, open_model
 from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -37,47 +38,59 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None):
+        """Everything that can refuse the config (the cache's sizing, the HiSparse checks, the trace folder) runs
+        on the model's config before its weights load, so a bad budget costs the seconds of reading the config,
+        not the ten of loading (except on a GPU with no budget given, where what the weights leave decides it)."""
         self.config = config or EngineConfig()
-        path = resolve_model_path(self.config.model)
-        self.model = model if model is not None else load_llama(path, dtype=self.config.model_dtype)
-        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_path(path)
-        mc = self.model.config
+        files = None if model is not None and tokenizer is not None else open_model(self.config.model)
+        if model is not None:
+            mc, indexer = model.config, getattr(model, "indexer_config", None)
+            model_dtype = model.embed_tokens.weight.dtype
+        else:  # what load_llama will build: the shipped indexers on the default model, none on any other
+            shipped = files.default_indexer_weights()
+            mc, indexer = files.config, None if shipped is None else read_indexer_config(shipped)
+            model_dtype = self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
-        layout = KVLayout.of(mc, self.config.kv_dtype(self.model.embed_tokens.weight.dtype))
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        budget = self.config.resolved_kv_budget(weight_bytes)
-        sparse = self._sparse_decode()
-        if self.config.enable_hisparse:
-            if sparse is None or sparse.dense_layers:
-                raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
-            self.cache = HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_key,
-                                         self.config.max_running_requests, self.max_model_len,
-                                         self.model.attention_scale, self.config.device, self.config.swap_in_backend)
-        else:
-            self.cache = PagedKVCache.from_budget(layout, budget, self.model.attention_scale, self.config.device,
-                                                  sparse)
-        self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
-                                   self.config.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.cache)
-        self.stats = EngineStats()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
+        layout = KVLayout.of(mc, self.config.kv_dtype(model_dtype))
+        sparse = self._sparse_decode(indexer, mc.num_layers)
+        if self.config.enable_hisparse and (sparse is None or sparse.dense_layers):
+            raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
         if self.config.topk_trace_dir is not None:  # found unwritable now, not when the first request ends
             try:
                 Path(self.config.topk_trace_dir).mkdir(parents=True, exist_ok=True)
             except OSError as error:
                 raise ValueError(f"topk_trace_dir {str(self.config.topk_trace_dir)!r} cannot be created: "
                                  f"{error.strerror}") from None
+        budget = self.config.kv_budget_before_weights()
+        self.cache = None if budget is None else self._new_cache(layout, sparse, budget, mc.attention_scale)
+        self.model = model if model is not None else load_llama(files, dtype=model_dtype)
+        if self.cache is None:
+            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.cache = self._new_cache(layout, sparse, self.config.resolved_kv_budget(weight_bytes),
+                                         mc.attention_scale)
+        self.tokenizer = tokenizer if tokenizer is not None else files.tokenizer()
+        self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
+                                   self.config.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
 
-    def _sparse_decode(self) -> SparseDecode | None:
+    def _sparse_decode(self, indexer, num_layers: int) -> SparseDecode | None:
         """Sparse decode settings when the model has lightning indexers (else None: a dense model)."""
-        indexer = getattr(self.model, "indexer_config", None)
         if indexer is None:
             return None
         dense = indexer.dense_layers if self.config.dense_layers is None else self.config.dense_layers
-        bad = [layer for layer in dense if layer >= self.model.config.num_layers]
+        bad = [layer for layer in dense if layer >= num_layers]
         if bad:
-            raise ValueError(f"dense_layers {bad} out of range: the model has {self.model.config.num_layers} layers")
+            raise ValueError(f"dense_layers {bad} out of range: the model has {num_layers} layers")
         return SparseDecode(indexer.key_layout, self.config.sparse_attention, self.config.top_k, tuple(dense))
+
+    def _new_cache(self, layout: KVLayout, sparse: SparseDecode | None, budget: int, attention_scale: float):
+        if self.config.enable_hisparse:
+            return HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_key,
+                                   self.config.max_running_requests, self.max_model_len, attention_scale,
+                                   self.config.device, self.config.swap_in_backend)
+        return PagedKVCache.from_budget(layout, budget, attention_scale, self.config.device, sparse)
 
     # -- requests -------------------------------------------------------------------------------
 

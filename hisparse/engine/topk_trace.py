@@ -153,19 +153,18 @@ def main(argv: list[str] | None = None) -> None:
               f"prompt {trace.prompt_len}, seq_len {trace.seq_lens.min()}..{trace.seq_lens.max()}, "
               f"dense layers {list(trace.dense_layers)}, sparse {trace.sparse_attention}")
         return
-    from hisparse.models.loader import read_model_config
+    from hisparse.models.loader import open_model
 
-    context = read_model_config(None).max_position_embeddings
+    files = open_model(None)
+    context = files.config.max_position_embeddings
     if args.length + args.max_tokens > context:
         rec.error(f"--length + --max-tokens is {args.length + args.max_tokens}, beyond the model's context of "
                   f"{context} tokens")
     if args.top_k > context:
         rec.error(f"--top-k {args.top_k} is beyond the model's context of {context} tokens")
     from hisparse.data.pydoc_corpus import heldout_tokens
-    from hisparse.models.loader import resolve_model_path
-    from hisparse.models.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_path(resolve_model_path(None))
+    tokenizer = files.tokenizer()
     if args.prompt_file is not None:
         ids = tokenizer.encode(args.prompt_file.read_text())
         if not ids:  # repeating nothing would never reach --length

@@ -100,20 +100,30 @@ def save_indexer_weights(path: str | Path, indexers: list[LlamaIndexer], config:
     save_file(tensors, str(path), metadata={"indexer_config": config.to_json(), **(extra or {})})
 
 
-def check_indexer_weights(path: str | Path, num_layers: int) -> None:
-    """ValueError unless `path` holds indexer weights (`save_indexer_weights`'s file) for `num_layers` layers:
-    a command checks its flags with it before it loads the model or captures anything."""
+def read_indexer_config(path: str | Path = SHIPPED_WEIGHTS) -> IndexerConfig:
+    """The IndexerConfig a weights file was saved with, from its metadata alone: what the engine needs to size
+    the indexer-key cache before it loads anything."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            metadata, names = f.metadata() or {}, list(f.keys())
+            metadata = f.metadata() or {}
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{str(path)!r} is not a safetensors file ({error})") from None
     try:
-        IndexerConfig.from_json(metadata["indexer_config"])
+        return IndexerConfig.from_json(metadata["indexer_config"])
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{str(path)!r} has no indexer_config: not indexer weights") from None
+
+
+def check_indexer_weights(path: str | Path, num_layers: int) -> None:
+    """ValueError unless `path` holds indexer weights (`save_indexer_weights`'s file) for `num_layers` layers:
+    a command checks its flags with it before it loads the model or captures anything."""
+    from safetensors import safe_open
+
+    read_indexer_config(path)
+    with safe_open(str(path), "pt") as f:
+        names = list(f.keys())
     layers = {name.split(".")[1] for name in names if name.startswith("layers.")}
     if layers != {str(i) for i in range(num_layers)}:
         raise ValueError(f"{str(path)!r} holds indexers of {len(layers)} layers; the model has {num_layers}")

@@ -36,6 +36,10 @@ class LlamaConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def attention_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
     def kv_row_size(self) -> int:
         """Values per token per layer in the KV cache: one row holds the token's K then its V."""
         return 2 * self.kv_size

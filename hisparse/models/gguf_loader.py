@@ -93,9 +93,10 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.array(values.reshape(shape), dtype=np.float32)  # a writable copy, never the memory map
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """The config and a state dict in our parameter names (float32)."""
-    reader = gguf.GGUFReader(str(path))
+def load_gguf(source: str | Path | gguf.GGUFReader) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The config and a state dict in our parameter names (float32). Pass the reader when you have one:
+    opening it again costs seconds."""
+    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
     config = read_config(reader)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

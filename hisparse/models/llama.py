@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_scale(self) -> float:
-        return self.config.head_dim ** -0.5
+        return self.config.attention_scale
 
     def prepare_for_inference(self) -> None:
         """Fused, transposed weights (see the module docstring). In float32 the LM head gets its own

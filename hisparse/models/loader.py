@@ -39,17 +39,57 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def read_model_config(model: str | Path | None = None) -> LlamaConfig:
-    """The model's config without its weights (GGUF metadata or config.json): what a command needs to check
-    its flags (a prompt longer than the context) before spending seconds on loading."""
+class ModelFiles:
+    """A checkpoint opened once: its config at once, its weights and tokenizer when asked.
+
+    Opening a GGUF file costs about 3 s (its reader indexes every element of the vocabulary arrays), and the
+    config, the weights and the tokenizer all come from it: the engine opened it twice and the commands that
+    check their flags against the model three times, 6-7 s before the first token. The config also comes first
+    so that the engine can refuse a budget or a HiSparse config before it spends seconds on the weights.
+    """
+
+    def __init__(self, path: Path, config: LlamaConfig, reader=None) -> None:
+        self.path = path
+        self.config = config
+        self.reader = reader  # the GGUF file's reader; None for a Hugging Face folder
+        self._tokenizer = None
+
+    def tokenizer(self):
+        """Built on first use and kept: it is immutable, so engines on the same files can share it."""
+        if self._tokenizer is None:
+            from hisparse.models.tokenizer import Tokenizer
+
+            self._tokenizer = (Tokenizer.from_gguf(self.reader) if self.reader is not None
+                               else Tokenizer.from_hf_dir(self.path))
+        return self._tokenizer
+
+    def default_indexer_weights(self) -> Path | None:
+        """The lightning indexers `load_llama` attaches unless told otherwise: the shipped ones, which are trained
+        for the default model only."""
+        from hisparse.layers.indexer import SHIPPED_WEIGHTS
+
+        return SHIPPED_WEIGHTS if self.path == default_model_path() and SHIPPED_WEIGHTS.exists() else None
+
+
+def open_model(model: str | Path | ModelFiles | None = None) -> ModelFiles:
+    """A GGUF file, a Hugging Face Llama folder, or None for the default model, opened for `load_llama`."""
+    if isinstance(model, ModelFiles):
+        return model
     path = resolve_model_path(model)
     if path.is_dir():
-        return _hf_config(path)
+        return ModelFiles(path, _hf_config(path))
     import gguf
 
     from hisparse.models.gguf_loader import read_config
 
-    return read_config(gguf.GGUFReader(str(path)))
+    reader = gguf.GGUFReader(str(path))
+    return ModelFiles(path, read_config(reader), reader)
+
+
+def read_model_config(model: str | Path | None = None) -> LlamaConfig:
+    """The model's config without its weights (GGUF metadata or config.json): what a command needs to check
+    its flags (a prompt longer than the context) before spending seconds on loading."""
+    return open_model(model).config
 
 
 def _hf_config(folder: Path) -> LlamaConfig:
@@ -99,18 +139,22 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def load_llama(model: str | Path | None = None, indexer: bool | str | Path | None = None,
+def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str | Path | None = None,
                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Load weights into a model of `dtype` (float32 or bfloat16) in eval mode, projections fused for
     inference. The lightning indexers stay float32 whatever the model's dtype: they are small, and their
     scores decide which tokens attention reads.
 
+    model: a path, None for the default model, or `open_model`'s result (which saves opening the file again).
     indexer: None (default) attaches the shipped trained lightning indexers when `model` is the default
     model (which makes it the sparse-attention model); True requires them; False loads none; a path
     loads indexer weights from that file.
     """
-    path = resolve_model_path(model)
-    config, state = load_gguf(path) if path.is_file() else load_hf_llama(path)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
+    files = open_model(model)
+    path = files.path
+    config, state = load_gguf(files.reader) if files.reader is not None else load_hf_llama(path)
     with torch.device("meta"):
         net = LlamaForCausalLM(config)
     if config.tie_word_embeddings:
@@ -122,16 +166,15 @@ def load_llama(model: str | Path | None = None, indexer: bool | str | Path | Non
     if missing:
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
     net.to(dtype)
     net.prepare_for_inference()
     if indexer is not False:
         from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights
 
         if indexer is None or indexer is True:
-            if path == resolve_model_path(None) and SHIPPED_WEIGHTS.exists():
-                load_indexer_weights(net, SHIPPED_WEIGHTS)
+            shipped = files.default_indexer_weights()
+            if shipped is not None:
+                load_indexer_weights(net, shipped)
             elif indexer is True:
                 raise ValueError(f"no shipped indexer weights for '{path}' ({SHIPPED_WEIGHTS} is for the default "
                                  "model); pass a file")

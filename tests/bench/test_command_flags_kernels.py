@@ -13,20 +13,19 @@ import torch
 
 from hisparse.bench import index_scores, missrate, swap_in, swap_in_cuda
 from hisparse.engine import topk_trace
-from hisparse.models import loader
 
 BIG = str(10**12)
 
 
 @pytest.fixture(autouse=True)
-def no_expensive_work(monkeypatch, forbid, model_config):
+def no_expensive_work(monkeypatch, forbid, opened_model):
     """Recording, replaying, allocating pools and timing fail the test; the model's config is read once."""
     forbid(missrate, "load_or_record", "synthetic_trace", "run")
     forbid(swap_in, "PlainCopy", "table_for")
     forbid(swap_in_cuda, "check_policy", "time_rows")
     forbid(index_scores, "IndexerKeyCache", "time_selection")
     forbid(topk_trace, "record")
-    monkeypatch.setattr(loader, "read_model_config", lambda model=None: model_config)
+    opened_model()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that --device cpu gets past its own check
 
 

@@ -1,36 +1,27 @@
 """Bad flags of the demo, the serving bench, the decode-overhead bench, engine_vs_hf and the `hisparse` script:
 each ends in one line on stderr naming the problem and exit status 2, before any model loads or server starts.
 
-The model's config (and, for engine_vs_hf, its tokenizer) is read once per session here: the commands read
-it before loading to check sizes against the context, and each read costs seconds."""
+The model is opened once per session here (`opened_model`): the commands read its config before loading to
+check sizes against the context, and each opening of the GGUF costs seconds."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 
 import hisparse.cli as hisparse_cli
 from hisparse import demo
 from hisparse.bench import decode_overhead, engine_vs_hf, serving
-from hisparse.models.tokenizer import Tokenizer
 
 BIG = str(10**12)
 
 
 @pytest.fixture(autouse=True)
-def no_expensive_work(monkeypatch, forbid, model_config):
-    """Loading a model, building an engine or starting a server fails the test; slow reads are cached."""
+def no_expensive_work(forbid, opened_model):
+    """Loading a model, building an engine or starting a server fails the test; the model is opened once."""
     for module in (demo, decode_overhead, engine_vs_hf):
         forbid(module, "load_llama", "LLMEngine")
-        monkeypatch.setattr(module, "read_model_config", lambda model=None: model_config)
+    opened_model(demo, decode_overhead, engine_vs_hf, serving)
     forbid(serving.ServerProcess, "start")
-    monkeypatch.setattr(serving, "default_model_reader", _cached_reader)
-    monkeypatch.setattr(engine_vs_hf.Tokenizer, "from_path", _cached_tokenizer)
-
-
-_cached_reader = functools.cache(serving.default_model_reader)
-_cached_tokenizer = functools.cache(Tokenizer.from_path)
 
 
 DEMO = [

@@ -56,7 +56,10 @@ def test_the_indexer_stays_float32(llama_bf16):
     assert q.dtype == k.dtype == w.dtype == torch.float32
 
 
-def test_other_dtypes_are_refused(model_path):
+def test_other_dtypes_are_refused(model_path, forbid):
+    from hisparse.models import loader
+
+    forbid(loader, "open_model")  # refused before the file is read
     with pytest.raises(ValueError, match="dtype"):
         load_llama(model_path, dtype=torch.float16)
     with pytest.raises(ValueError, match="dtype must be"):
@@ -71,17 +74,8 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, native, expected):
     assert EngineConfig(dtype="bfloat16").model_dtype == torch.bfloat16
 
 
-def test_the_engine_loads_the_model_in_its_dtype():
-    from hisparse.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", device_kv_budget=64 << 20))
-    assert engine.model.layers[0].mlp.gate_up_t.dtype == torch.bfloat16
-    assert engine.model.layers[0].attn.indexer.wk.weight.dtype == torch.float32
-    assert engine.cache.kv.dtype == torch.bfloat16  # kv_cache_dtype "auto": the model's
-
-
 @pytest.mark.parametrize("hisparse", [False, True])
-def test_the_kv_cache_follows_the_model_unless_told(llama, llama_bf16, hisparse):
+def test_the_kv_cache_follows_the_model_unless_told(llama, llama_bf16, tokenizer, hisparse):
     """"auto" stores K/V in the dtype of the model the engine runs (given, not loaded, here); an explicit
     kv_cache_dtype wins. With HiSparse both the host pool and the hot buffers follow."""
     from hisparse.engine.llm_engine import LLMEngine
@@ -91,7 +85,7 @@ def test_the_kv_cache_follows_the_model_unless_told(llama, llama_bf16, hisparse)
                                             (llama_bf16, "float32", torch.float32),
                                             (llama, "bfloat16", torch.bfloat16)]:
         engine = LLMEngine(EngineConfig(kv_cache_dtype=kv_cache_dtype, device_kv_budget=64 << 20, **extra),
-                           model=model)
+                           model=model, tokenizer=tokenizer)
         pools = (engine.cache.host_kv, engine.cache.device_kv) if hisparse else (engine.cache.kv,)
         assert all(pool.dtype == expected for pool in pools)
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'float32' or 'bfloat16'"):

@@ -1,0 +1,57 @@
+"""Starting an engine: the model file is opened once, and a config that cannot work is refused from the model's
+config, before the ten seconds of loading its weights."""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import pytest
+import torch
+
+from hisparse.engine import llm_engine
+from hisparse.engine.engine_config import EngineConfig
+
+A_FILE = "/proc/version/traces"  # under a file, so never creatable, even by root
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"enable_hisparse": True, "device_kv_budget": 1 << 20}, "fewer than one request's buffer (512 + 1)"),
+    ({"device_kv_budget": 1}, "buys no token slot"),
+    ({"dense_layers": (40,)}, "dense_layers [40] out of range: the model has 30 layers"),
+    ({"enable_hisparse": True, "dense_layers": (0,)}, "HiSparse needs a sparse-attention model"),
+    ({"topk_trace_dir": A_FILE}, "cannot be created"),
+])
+def test_a_config_that_cannot_work_is_refused_before_the_weights_load(opened_model, forbid, overrides, words):
+    opened_model(llm_engine)
+    forbid(llm_engine, "load_llama")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm_engine.LLMEngine(EngineConfig(**overrides))
+
+
+def test_a_dense_model_is_refused_hisparse_before_its_weights_load(monkeypatch, forbid, model_files):
+    """A model without the shipped indexers (any but the default) has no indexer keys to select with."""
+    elsewhere = llm_engine.open_model(model_files)  # the same files, seen as another model's
+    monkeypatch.setattr(elsewhere, "default_indexer_weights", lambda: None)
+    monkeypatch.setattr(llm_engine, "open_model", lambda model=None: elsewhere)
+    forbid(llm_engine, "load_llama")
+    with pytest.raises(ValueError, match="HiSparse needs a sparse-attention model with an indexer in every layer"):
+        llm_engine.LLMEngine(EngineConfig(enable_hisparse=True))
+
+
+def test_the_engine_opens_the_model_file_once_and_loads_it_in_its_dtype(monkeypatch):
+    """Config, weights and tokenizer all come from one GGUF reader (each opening costs about 3 s)."""
+    opened = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            opened.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    engine = llm_engine.LLMEngine(EngineConfig(dtype="bfloat16", device_kv_budget=64 << 20))
+    assert len(opened) == 1
+    assert engine.tokenizer.decode(engine.tokenizer.encode("The capital of France")) == "The capital of France"
+    assert engine.model.layers[0].mlp.gate_up_t.dtype == torch.bfloat16
+    assert engine.model.layers[0].attn.indexer.wk.weight.dtype == torch.float32
+    assert engine.cache.kv.dtype == torch.bfloat16  # kv_cache_dtype "auto": the model's
