@@ -502,3 +502,57 @@ def test_cpu_row_copy_writes_exactly_the_listed_rows(num_copies, row_bytes, para
     else:
         swap_in_cpu._copy_rows_serial(*words, src, dst)
     assert torch.equal(device, expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_rows_wider_than_one_copy_block_are_copied_whole(backend):
+    """The Triton kernel copies a row in blocks of at most 1024 words; a latent or K/V row of more than 8 KiB
+    (1050 words here) takes two, and the cpu path's word loop must cover it too."""
+    case = make_case(seed=5, batch=2, num_slots=4, width=3, num_steps=3, row_width=2100)
+    results, _, _, _ = run(case, "lru", backend)  # check_step compares every selected row's bytes
+    assert sum(int(r.misses.sum()) for r in results) > 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lrfu"])
+def test_evicting_position_zero_counts_as_an_eviction(backend, policy):
+    """A full buffer whose oldest slot holds position 0 (the first token, a real token, not an empty slot):
+    the miss that replaces it is an eviction."""
+    slot_pos = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    lru = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    pol = get_policy(policy, num_rows=1, num_slots=3)
+    res = swap_in(torch.tensor([[7, 2]]), torch.tensor([0]), slot_pos, lru, torch.arange(3).view(1, -1),
+                  torch.arange(10).view(1, -1), torch.randn(10, 4), torch.zeros(3, 4), policy=pol, backend=backend)
+    assert slot_pos[0].tolist() == [7, 1, 2]
+    assert (res.misses.tolist(), res.evictions.tolist(), res.hits.tolist()) == ([1], [1], [1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_an_lrfu_ghost_entry_is_never_read_as_a_slot(backend):
+    """The kernels' sparse set maps a ghost position p to S + its entry; read as a slot, S + 2 would be slot 2
+    of the next row, which holds p. p is a ghost of row 0, not in its buffer: a miss (and the ghost returns),
+    not a hit on row 1's slot."""
+    slot_pos = torch.tensor([[10, 11, 12], [20, 21, 50]], dtype=torch.int32)
+    lru = torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32)
+    policy = get_policy("lrfu", num_rows=2, num_slots=3)
+    policy.state["ghost_pos"][0] = torch.tensor([-1, -1, 50], dtype=torch.int32)
+    policy.state["ghost_value"][0, 2] = policy.HIT
+    res = swap_in(torch.tensor([[50]]), torch.tensor([0]), slot_pos, lru, torch.arange(6).view(2, 3),
+                  torch.arange(120).view(2, 60), torch.randn(120, 4), torch.zeros(6, 4), policy=policy, backend=backend)
+    assert (res.misses.tolist(), res.hits.tolist()) == ([1], [0])
+    assert res.page_table.tolist() == [[0]] and slot_pos.tolist() == [[50, 11, 12], [20, 21, 50]]
+    assert policy.state["ghost_pos"][0].tolist() == [-1, -1, 10]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_score_lru_ages_saturate_on_every_backend(backend):
+    """A reset puts empty slots at AGE_LIMIT; a step that leaves one empty must keep it there (the random
+    traces reset rows without the policy, so their ages never come near the limit)."""
+    slot_pos, lru = new_slot_tables(1, 4)
+    policy = get_policy("score_lru", num_rows=1, num_slots=4)
+    reset_row(slot_pos, lru, 0, [10], policy)
+    limit, held = policy.AGE_LIMIT, policy.HELD_AGE
+    res = swap_in(torch.tensor([[20]]), torch.tensor([0]), slot_pos, lru, torch.arange(4).view(1, -1),
+                  torch.arange(30).view(1, -1), torch.randn(30, 4), torch.zeros(4, 4), policy=policy, backend=backend)
+    assert res.page_table.tolist() == [[1]] and slot_pos[0].tolist() == [10, 20, -1, -1]
+    assert policy.state["age"][0].tolist() == [held + 1, policy.LOAD_AGE_STEPS, limit, limit]

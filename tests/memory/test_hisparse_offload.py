@@ -2,17 +2,23 @@
 
 top_k and the hot buffer are set small (32 / 48 slots) so that contexts of a few hundred tokens are
 several times the buffer and misses really happen, while the suite stays fast.
+The last tests drive the pools on their own (no model): sizing and admission edges, the newest token's
+reserved slot, counters, and a batch mixing fast-path and swapping requests.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hisparse import SamplingParams
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
+from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.hisparse_config import HiSparseConfig
+from hisparse.memory.hisparse_pools import HiSparsePools, PoolSizing
+from hisparse.memory.slot_allocator import SlotAllocator
 
 TOP_K, BUFFER = 32, 48
 BUDGET = 40_000_000
@@ -192,3 +198,120 @@ def test_config_defaults_follow_the_reference():
     assert HiSparseConfig.parse('{"eviction_policy": "fifo"}').policy_for("cuda") == "fifo"
     with pytest.raises(ValueError, match="enable_hisparse"):
         EngineConfig(hisparse_config={"top_k": 8})
+
+
+# -- the pools on their own: small tables, no model ------------------------------------------------------
+
+POOL_BUFFER, POOL_TOP_K, POOL_ROW = 4, 2, 3  # hot slots, selected per step, float32 elements per row
+
+
+def small_pools(policy: str = "lru", device_slots: int = 32, max_requests: int = 4, max_context: int = 16):
+    """One layer, rows of 3 floats, float32 indexer keys of 4 dims, `device_slots` hot rows bought exactly."""
+    config = HiSparseConfig(top_k=POOL_TOP_K, device_buffer_size=POOL_BUFFER, host_to_device_ratio=2,
+                            eviction_policy=policy)
+    key = IndexKeyFormat("float32", 4)
+    cell = 1 * (POOL_ROW * 4 + config.host_to_device_ratio * key.row_bytes)
+    return HiSparsePools(1, POOL_ROW, torch.float32, key, config, device_slots * cell, max_requests, max_context)
+
+
+def write_context(pools, alloc, length: int) -> None:
+    """Host row of position p := (row, p, p) for p < length, as prefill and decode write them."""
+    for p in range(length):
+        pools.host_kv[0, int(alloc.host_rows[p])] = torch.tensor([alloc.row, p, p], dtype=torch.float32)
+
+
+def test_pool_sizing_buys_exactly_one_buffer_and_its_reserved_slot():
+    config = HiSparseConfig(top_k=POOL_TOP_K, device_buffer_size=POOL_BUFFER)
+    cell = PoolSizing(1, 12, 16, config, 0).cell_bytes
+    PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell).check("cpu")
+    with pytest.raises(ValueError, match="fewer than one request's buffer"):
+        PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell - 1).check("cpu")
+
+
+def test_a_request_that_fits_its_buffer_takes_no_reserved_slot():
+    pools = small_pools(device_slots=POOL_BUFFER + 1)
+    fits = pools.allocate(POOL_BUFFER)  # never outgrows its buffer: no slot for a newest token beyond it
+    assert fits.device_rows.size == POOL_BUFFER and pools.usage()["device_slots_used"] == POOL_BUFFER
+    assert pools.can_allocate(1) and not pools.can_allocate(2)
+    pools.free(fits)
+    grows = pools.allocate(POOL_BUFFER + 1)
+    assert grows.device_rows.size == POOL_BUFFER + 1 and not pools.can_allocate(1)
+    pools.free(grows)
+    assert pools.usage()["device_slots_used"] == 0
+
+
+def test_admission_is_refused_when_the_slot_tables_have_no_free_row():
+    pools = small_pools(device_slots=64, max_requests=1)
+    alloc = pools.allocate(8)
+    assert pools.device_allocator.num_free >= 8 and pools.host_allocator.num_free >= 8
+    assert not pools.can_allocate(1)  # device, host and indexer slots are left, but no row
+    pools.free(alloc)
+    assert pools.can_allocate(1)
+
+
+def test_freeing_a_slot_twice_in_one_call_is_refused_and_changes_nothing():
+    allocator = SlotAllocator(4)
+    slots = allocator.allocate(2)
+    with pytest.raises(ValueError, match="double free"):
+        allocator.free(np.array([slots[0], slots[0]]))
+    assert allocator.num_free == 2
+    allocator.free(slots)
+    assert allocator.num_free == 4 and sorted(allocator.allocate(4).tolist()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("prompt", [POOL_BUFFER - 1, POOL_BUFFER, POOL_BUFFER + 3])
+def test_the_newest_position_reads_its_reserved_row_and_costs_no_swap_in(prompt):
+    """Prompts shorter than, exactly as long as and longer than the buffer, decoded until each has outgrown it:
+    every selected position reads its own row (the newest from the reserved slot, where the forward pass wrote
+    it), and only older positions missing from the buffer count as misses."""
+    pools = small_pools()
+    alloc = pools.allocate(prompt + 6)
+    write_context(pools, alloc, prompt)
+    for start in range(prompt, prompt + 6):
+        write_context(pools, alloc, start + 1)  # the newest token's row, written to the host pool...
+        step = pools.begin_decode([alloc], [start])
+        # the prompt's tail (at most a buffer's worth) was copied in once, before the first step
+        assert pools.counters.prompt_load_bytes == min(prompt, POOL_BUFFER) * POOL_ROW * 4
+        pools.device_kv[0, step.device_write] = pools.host_kv[0, int(alloc.host_rows[start])]  # ...and the device
+        selected = torch.tensor([[start - 1, start, 0]])
+        before = pools.counters.as_dict()
+        page = pools.page_table(0, step, selected)
+        rows = pools.device_kv[0, page[0]]
+        assert rows[:, 1].tolist() == selected[0].float().tolist(), f"step at {start}: a column reads another row"
+        if start >= POOL_BUFFER:
+            assert int(page[0, 1]) == int(alloc.device_rows[-1])  # the reserved slot
+            after = pools.counters.as_dict()
+            held = {int(p) for p in pools.slot_pos[0, alloc.row] if p >= 0}
+            assert start not in held, "the newest position was swapped into a hot slot"
+            assert after["hits"] + after["misses"] - before["hits"] - before["misses"] == 2
+    pools.free(alloc)
+
+
+def test_fast_path_lookups_count_selected_positions_not_padding():
+    pools = small_pools()
+    alloc = pools.allocate(POOL_BUFFER)
+    write_context(pools, alloc, 3)
+    step = pools.begin_decode([alloc], [2])
+    pools.page_table(0, step, torch.tensor([[0, 2, -1, -1]]))
+    assert pools.counters.as_dict()["fast_path_lookups"] == 2
+
+
+def test_a_mixed_step_gives_each_swapping_request_its_own_runners_up():
+    """A batch with a request still on the fast path first: the swapping request's policy must read its own
+    next-ranked positions, as when it steps alone."""
+    states = []
+    for together in (True, False):
+        pools = small_pools("score_lru")
+        short, long = pools.allocate(8), pools.allocate(12)
+        write_context(pools, short, 2)
+        write_context(pools, long, 9)
+        allocs, starts = ([short, long], [1, 8]) if together else ([long], [8])
+        step = pools.begin_decode(allocs, starts)
+        # the long request holds 4..7 and ranks 6 and 7; the short one's runners-up are other positions it holds
+        selected = torch.tensor([[0, 1]] * together + [[2, 8]])
+        next_ranked = torch.tensor([[5, 4, 7, 6]] * together + [[6, 7, -1, -1]])
+        pools.page_table(0, step, selected, next_ranked)
+        states.append((pools.slot_pos[0, long.row].clone(), pools.lru[0, long.row].clone(),
+                       pools.policies[0].state["age"][long.row].clone()))
+    for mixed, alone in zip(*states, strict=True):
+        assert torch.equal(mixed, alone)
