@@ -60,6 +60,7 @@ MODES = ("baseline", "hisparse")
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
 WARMUP_TOKENS = 4
 HITS, MISSES = "hisparse_swap_in_hits_total", "hisparse_swap_in_misses_total"
+DECODE_STEPS, DECODE_SECONDS = "hisparse_engine_decode_steps_total", "hisparse_engine_decode_seconds_total"
 DEFAULT_HISPARSE_CONFIG = '{"top_k": 256, "device_buffer_size": 300, "host_to_device_ratio": 6}'
 PROG = "python -m hisparse.bench_serving"
 # Requests sent at one level, at most: far more than a server on this machine runs at once (16 is the
@@ -156,6 +157,8 @@ def summarize(mode: str, concurrency: int, run: LevelRun, before: dict, after: d
     if HITS in after:
         hits, misses = int(after[HITS] - before.get(HITS, 0)), int(after[MISSES] - before.get(MISSES, 0))
         hit_rate = hits / (hits + misses) if hits + misses else None
+    decode_steps = after.get(DECODE_STEPS, 0) - before.get(DECODE_STEPS, 0)
+    decode_step_s = (after[DECODE_SECONDS] - before.get(DECODE_SECONDS, 0)) / decode_steps if decode_steps else None
     return {
         "mode": mode, "concurrency": concurrency, "requests": len(run.results), "failed": len(run.results) - len(ok),
         "errors": sorted({r.error for r in run.results if r.error})[:3],
@@ -163,6 +166,7 @@ def summarize(mode: str, concurrency: int, run: LevelRun, before: dict, after: d
         "ttft_median_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
         "itl_median_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99),
         "e2e_median_s": _percentile([r.latency for r in ok], 50),
+        "decode_step_s": decode_step_s,  # the engine's mean decode-only step, as it timed it
         "max_running": run.max_running, "hits": hits, "misses": misses, "hit_rate": hit_rate,
     }
 

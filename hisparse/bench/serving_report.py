@@ -25,15 +25,16 @@ def _pair(a: float | None, b: float | None, scale: float, digits: int) -> str:
 def table(rows: list[dict]) -> str:
     ratio = ratios(rows)
     lines = ["| concurrency | mode | max running | output tok/s | vs baseline | TTFT median / p99 (s) "
-             "| ITL median / p99 (ms) | hit rate | failed |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ITL median / p99 (ms) | engine decode step (ms) | hit rate | failed |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in sorted(rows, key=lambda r: (r["concurrency"], r["mode"])):
         c = row["concurrency"]
         vs = f"{ratio[c]:.2f}x" if row["mode"] == "hisparse" and ratio.get(c) is not None else ""
         hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.1%}"
+        step = "-" if row.get("decode_step_s") is None else f"{row['decode_step_s'] * 1000:.0f}"
         lines.append(f"| {c} | {row['mode']} | {row['max_running']} | {row['output_tok_s']:.2f} | {vs} "
                      f"| {_pair(row['ttft_median_s'], row['ttft_p99_s'], 1, 2)} "
-                     f"| {_pair(row['itl_median_s'], row['itl_p99_s'], 1000, 0)} | {hit} | {row['failed']} |")
+                     f"| {_pair(row['itl_median_s'], row['itl_p99_s'], 1000, 0)} | {step} | {hit} | {row['failed']} |")
     return "\n".join(lines)
 
 

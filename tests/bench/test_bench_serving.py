@@ -38,6 +38,7 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
         assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
         assert 0 < row["ttft_median_s"] <= row["ttft_p99_s"] < row["seconds"]
         assert 0 < row["itl_median_s"] <= row["itl_p99_s"]
+        assert 0 < row["decode_step_s"] < row["seconds"]  # every request decodes after its prefill step
         if mode == "hisparse":
             assert row["hits"] + row["misses"] > 0 and 0 < row["hit_rate"] < 1
         else:
