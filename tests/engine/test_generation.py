@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from hisparse import SamplingParams
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.request import Request
+from hisparse.engine.scheduler import Scheduler
+from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.llm import LLM
+from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 
 PROMPTS = [
     "The capital of France is",
@@ -197,3 +203,117 @@ def test_abort_frees_memory(llm):
     assert request.finish_reason == "abort"
     assert engine.cache.allocator.num_used == 0
     assert not engine.has_unfinished
+
+
+def test_an_aborted_request_id_can_be_used_again(llm):
+    engine = llm.engine
+    waiting = engine.add_request(PROMPTS[0], GREEDY, request_id="again")
+    engine.abort("again")
+    running = engine.add_request(PROMPTS[1], GREEDY, request_id="again")  # the aborted one left nothing behind
+    assert running is not waiting
+    engine.step()
+    engine.abort("again")
+    assert engine.add_request(PROMPTS[2], GREEDY, request_id="again").finish_reason is None
+    engine.abort("again")
+    assert not engine.has_unfinished and engine.cache.allocator.num_used == 0
+
+
+def test_a_request_of_exactly_the_context_length_is_accepted(llm, monkeypatch):
+    monkeypatch.setattr(llm.engine, "max_model_len", 40)  # the check, without a cache of 8192 tokens
+    request = llm.engine.add_request([1] * 30, SamplingParams(max_tokens=10))
+    llm.engine.abort(request.request_id)
+    with pytest.raises(ValueError, match="exceeds the model's context length of 40 tokens"):
+        llm.engine.add_request([1] * 31, SamplingParams(max_tokens=10))
+
+
+def test_a_request_that_needs_the_whole_cache_is_accepted_and_runs(llama, tokenizer):
+    per_token = llama.config.num_layers * 2 * llama.config.kv_size * llama.embed_tokens.weight.element_size()
+    llm = make_llm(llama, tokenizer, device_kv_budget=per_token * 8)
+    engine, capacity = llm.engine, llm.engine.cache.capacity_tokens
+    request = engine.add_request([1] * (capacity - 2), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    for _ in range(4):  # a prefill and two decodes, or it was left waiting
+        engine.step()
+    assert request.finish_reason == "length" and engine.cache.allocator.num_used == 0
+    with pytest.raises(ValueError, match="capacity"):
+        llm.generate([[1] * (capacity - 1)], SamplingParams(max_tokens=2))
+
+
+def test_text_cut_mid_character_by_max_tokens_is_what_decode_gives(llm, monkeypatch):
+    """The last tokens hold two of an emoji's three bytes: the held-back bytes end the text, as decode renders them."""
+    tokens = llm.tokenizer.encode("Hi ") + llm.tokenizer.encode("\U0001F600")[:2]
+    assert llm.tokenizer.decode(tokens).endswith("\ufffd")
+    forced = iter(tokens)
+    monkeypatch.setattr(llm.engine.runner, "run", lambda batch: [next(forced) for _ in batch.sample_spans])
+    out = llm.generate("x", SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
+    assert (out.finish_reason, out.token_ids) == ("length", tokens)
+    assert out.text == llm.tokenizer.decode(tokens)
+
+
+# -- the scheduler on its own: a tiny paged cache, no model ----------------------------------------------
+
+
+def tiny_cache(num_slots: int) -> PagedKVCache:
+    """A baseline cache of `num_slots` one-float tokens with an indexer-key slot per token, as the default model's."""
+    return PagedKVCache(KVLayout(1, 1, 1), num_slots, 1.0, sparse=SparseDecode(IndexKeyFormat("float32", 1)))
+
+
+def run_scheduler(scheduler: Scheduler, requests: list[Request], max_steps: int = 500):
+    """Step as LLMEngine.step does (a token 0 for each span that completes its prompt or decodes) until every
+    request has ended, yielding each step's spans and running requests as scheduled, before the step runs.
+    Fails at a step limit: a request left waiting forever."""
+    for request in requests:
+        scheduler.add(request)
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return
+        batch = scheduler.schedule()
+        assert batch is not None, "work waiting but nothing scheduled"
+        yield batch.spans, list(scheduler.running)
+        for span in batch.spans:
+            span.request.num_computed_tokens = span.end
+        for span in batch.sample_spans:
+            span.request.output_token_ids.append(0)
+            if len(span.request.output_token_ids) >= span.request.params.max_tokens:
+                scheduler.finish(span.request, "length")
+    raise AssertionError("requests left waiting forever")
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6)), min_size=1, max_size=8),
+       max_running=st.integers(1, 4), chunk=st.integers(1, 24), spare=st.integers(0, 30))
+@example(jobs=[(30, 2), (3, 1)], max_running=2, chunk=16, spare=0)  # the first request needs the whole cache
+@example(jobs=[(2, 2)] * 3, max_running=2, chunk=8, spare=20)  # memory for three, places for two
+@example(jobs=[(1, 4), (12, 1)], max_running=2, chunk=4, spare=0)  # a decode and a prompt chunk share a step
+def test_scheduler_admits_in_order_spends_the_step_budget_exactly_and_frees_everything(jobs, max_running, chunk,
+                                                                                        spare):
+    """First come first served, at most max_running_requests at once, each step's tokens: one per decoding
+    request, then prompt chunks filling what is left of chunked_prefill_size; a request may need the whole cache."""
+    cache = tiny_cache(max(p + m for p, m in jobs) + spare)
+    scheduler = Scheduler(cache, max_running, chunk)
+    requests = [Request(list(range(1, p + 1)), SamplingParams(max_tokens=m)) for p, m in jobs]
+    admitted = []
+    for spans, running in run_scheduler(scheduler, requests):
+        admitted += [r for r in running if all(r is not a for a in admitted)]
+        assert len(running) <= max_running
+        assert cache.allocator.num_used == sum(r.max_total_tokens for r in running)
+        assert cache.index_cache.allocator.num_used == cache.allocator.num_used
+        decodes = [s.length for s in spans if not s.request.in_prefill]
+        assert decodes == [1] * len(decodes)
+        prompt_tokens = sum(s.length for s in spans if s.request.in_prefill)
+        left_in_prompts = sum(r.num_prompt_tokens - r.num_computed_tokens for r in running if r.in_prefill)
+        assert prompt_tokens == min(max(chunk - len(decodes), 0), left_in_prompts)
+    assert [r.request_id for r in admitted] == [r.request_id for r in requests], "admitted out of arrival order"
+    assert all(r.finish_reason == "length" and r.kv is None for r in requests)
+    assert cache.allocator.num_used == 0 and cache.index_cache.allocator.num_used == 0
+
+
+def test_aborting_a_waiting_request_frees_nothing_it_never_held_and_never_runs_it():
+    cache = tiny_cache(10)
+    scheduler = Scheduler(cache, 1, 8)
+    first, second = Request([1, 2, 3], SamplingParams(max_tokens=2)), Request([4, 5], SamplingParams(max_tokens=2))
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert scheduler.abort(second.request_id) is second and second.finish_reason == "abort"
+    assert not scheduler.waiting and scheduler.running == [first]
+    assert cache.allocator.num_used == first.max_total_tokens

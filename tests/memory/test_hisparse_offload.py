@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from hisparse import SamplingParams
 from hisparse.engine.engine_config import EngineConfig
@@ -257,6 +259,35 @@ def test_freeing_a_slot_twice_in_one_call_is_refused_and_changes_nothing():
     assert allocator.num_free == 2
     allocator.free(slots)
     assert allocator.num_free == 4 and sorted(allocator.allocate(4).tolist()) == [0, 1, 2, 3]
+
+
+@settings(max_examples=50, deadline=None)
+@example(ops=[(True, 2), (False, 1), (False, 0)])
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=30))
+def test_slots_are_never_handed_out_twice_and_a_freed_slot_cannot_be_freed_again(ops):
+    """Random allocations and frees (a chunk of what is held): no slot is ever held by two owners, and giving
+    back a slot already given back by an earlier call is refused (a request released twice would otherwise
+    hand its slots to two new requests)."""
+    allocator = SlotAllocator(8)
+    held: list[int] = []
+    freed: list[int] = []
+    for allocate, n in ops:
+        if allocate and n <= allocator.num_free:
+            got = allocator.allocate(n).tolist()
+            assert not set(got) & set(held) and len(set(got)) == n
+            held += got
+        elif not allocate:
+            stale = [s for s in freed if s not in held]  # given back and not handed out since
+            if n == 0 and stale:
+                with pytest.raises(ValueError, match="double free"):
+                    allocator.free(np.array(stale[:1]))
+            else:
+                chunk, held = held[:n], held[n:]
+                allocator.free(np.array(chunk, dtype=np.int64))
+                freed += chunk
+        assert allocator.num_used == len(held)
+    allocator.free(np.array(held, dtype=np.int64))
+    assert sorted(allocator.allocate(8).tolist()) == list(range(8))
 
 
 @pytest.mark.parametrize("prompt", [POOL_BUFFER - 1, POOL_BUFFER, POOL_BUFFER + 3])

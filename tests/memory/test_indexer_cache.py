@@ -86,6 +86,19 @@ def test_keys_survive_int8_within_half_a_step_and_68_bytes():
     assert torch.equal(cache.format.prepare_query(keys), keys)
 
 
+def test_each_key_is_read_back_from_the_slot_it_was_written_to():
+    """Slots in the order a request holds them, not sorted (a request reuses slots others gave back)."""
+    cache = IndexerKeyCache(2, 32, IndexKeyFormat("float32", D))
+    slots = torch.tensor([17, 3, 30, 8, 0, 21])
+    keys = torch.randn(6, D, generator=torch.Generator().manual_seed(0))
+    cache.write(1, slots, keys)
+    assert torch.equal(cache.keys(1, slots), keys)  # float32 rows: exact
+    assert torch.equal(cache.keys(1, slots[[4, 0]]), keys[[4, 0]])
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert cache.rows[1, untouched].abs().sum() == 0 and cache.rows[0].abs().sum() == 0
+
+
 def test_selection_works_in_positions_not_slots():
     cache = IndexerKeyCache(1, 64, INT8)
     slots = torch.tensor([[40, 3, 17, 9, 60]])

@@ -6,6 +6,7 @@ token counts exact. Generations are a few tokens long to keep the module fast on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -19,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.request import Request
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.server.engine_loop import EngineLoop
 
 MODEL_NAME = "test-model"
 PROMPT = "The capital of France is"
@@ -359,6 +363,48 @@ def test_a_burst_at_an_idle_server_runs_and_queues_without_429(server, reference
         statuses = list(pool.map(lambda _: one(), range(4)))
     assert statuses == [200] * 4
     server.wait_idle()
+
+
+class _StalledEngine:
+    """An engine whose latest step left `running` requests running and `waiting` waiting, and that takes every
+    new request without stepping: what the engine thread reports while newcomers pile up (no model)."""
+
+    has_unfinished = False
+
+    def __init__(self, running: int, waiting: int, max_running: int) -> None:
+        self.scheduler = type("Scheduler", (), {"max_running_requests": max_running})()
+        self.counts = {"running": running, "waiting": waiting, "memory": {}}
+
+    def stats_dict(self) -> dict:
+        return self.counts
+
+    def add_request(self, prompt, params, request_id=None) -> Request:
+        return Request([1], params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("running, waiting, newcomers, queued", [
+    (0, 0, 6, 2),  # an idle server: four of a burst of six take the free places
+    (2, 0, 1, 0),  # a newcomer with a free place runs
+    (2, 1, 2, 3),  # one already waits for memory: the newcomers wait behind it, free places or not
+    (4, 0, 2, 2),  # every place taken
+])
+def test_queued_requests_are_those_waiting_and_newcomers_beyond_the_free_places(running, waiting, newcomers, queued):
+    loop = EngineLoop(_StalledEngine(running, waiting, max_running=4))
+    loop.start()
+
+    async def submit_all() -> None:
+        for i in range(running + waiting + newcomers):
+            loop.submit(f"r{i}", [1], SamplingParams(max_tokens=1))
+
+    try:
+        asyncio.run(submit_all())
+        assert loop.num_in_flight() == running + waiting + newcomers
+        assert loop.num_queued() == queued
+    finally:
+        loop.stop()
 
 
 def test_metrics_report_serving_and_memory(server, client):
