@@ -341,7 +341,19 @@ class Tokenizer:
         """A lower bound on `len(self.encode(text))`, found without encoding: each token stands for at most
         `max_token_bytes` bytes of the text. Encoding holds the GIL (about 1 s per MB here), so a server
         refuses a text that cannot fit its context with this instead of stalling every other request."""
-        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
+        return -(-len(text.encode("utf-8").translate(None, self._bytes_without_token)) // self.max_token_bytes)
+
+    @functools.cached_property
+    def _bytes_without_token(self) -> bytes:
+        """Bytes a byte-level vocabulary has no token for: the pre-tokenizer spells each byte as a character
+        and BPE drops one the vocabulary lacks, so they stand for no token (SmolLM2's lacks 21 bytes, six ASCII
+        control characters among them: "\x1d" encodes to nothing). Other vocabularies turn every character into
+        some token (byte fallback or unknown)."""
+        vocab = self.backend.get_vocab()
+        spelling = _bytes_to_unicode()
+        if spelling[ord(" ")] not in vocab:  # not byte-level
+            return b""
+        return bytes(b for b in range(256) if spelling[b] not in vocab)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -238,7 +238,15 @@ def test_property_stream_of_arbitrary_ids(tok: Tokenizer, ids: list[int], skip: 
 @FAST
 @given(pieces=st.lists(st.one_of(st.sampled_from(SAMPLES + ["\n" + " " * 80, "#" * 80, "<|im_end|>", "=" * 200]),
                                  st.text(max_size=40)), max_size=12))
+@example(pieces=["\x1d"])  # a byte the vocabulary has no token for: it encodes to nothing
+@example(pieces=["\U00040000" * 30])  # its lead byte (0xf1) has no token either
 def test_min_tokens_never_exceeds_the_real_count(tok, pieces):
     # The server refuses a prompt by this bound before tokenizing it, so it must never overshoot.
     text = "".join(pieces)
     assert tok.min_tokens(text) <= len(tok.encode(text))
+
+
+def test_min_tokens_knows_which_bytes_stand_for_no_token(tok):
+    silent = "".join(chr(b) for b in tok._bytes_without_token if b < 0x80)
+    assert silent and tok.encode(silent * 5) == [] and tok.min_tokens(silent * 500) == 0
+    assert tok.min_tokens("a" * 1000) == -(-1000 // tok.max_token_bytes)
