@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from hisparse.cli_args import OneLineParser, float_in, int_in, positive_float, positive_int, run_main
 from hisparse.memory.hisparse_config import HiSparseConfig
+from hisparse.memory.hisparse_pools import PoolSizing
 
 GIB = 1 << 30
 FP8_BLOCK = 128
@@ -299,9 +300,8 @@ def plan_capacity(
         shape.indexer_bytes,
         hisparse.host_to_device_ratio,
     )
-    cell = layers * (kv + ratio * idx)
-    slots = budget // cell
-    logical = slots * ratio
+    sizing = PoolSizing(layers, kv, idx, hisparse, budget)  # the engine's own sizing of its pools
+    cell, slots, logical = sizing.cell_bytes, sizing.device_slots, sizing.logical_capacity
     by_slots = slots // (hisparse.device_buffer_size + 1)
     if by_slots < 1:
         raise PlanError(
@@ -310,7 +310,7 @@ def plan_capacity(
         )
     by_logical = logical // context
     baseline_per_token = layers * (kv + idx)
-    host_per_gpu = logical * layers * kv
+    host_per_gpu = sizing.host_bytes
     plan = CapacityPlan(
         model=shape.name,
         num_layers=layers,

@@ -247,20 +247,25 @@ def evaluate(model, indexers, store: np.memmap, rows_per_layer: int, top_k: int,
 
 
 @functools.lru_cache(maxsize=1)
+def _model_files():
+    """The default model's file, opened once per process: its config checks the flags, then its tokenizer and
+    weights come from the same reader."""
+    from hisparse.models.loader import open_model
+
+    return open_model(None)
+
+
+@functools.lru_cache(maxsize=1)
 def _frozen_model():
     """The default model without indexers (each run attaches fresh ones), loaded once per process."""
     from hisparse.models.loader import load_llama
 
-    return load_llama(None, indexer=False)
+    return load_llama(_model_files(), indexer=False)
 
 
-@functools.lru_cache(maxsize=1)
 def _tokenizer():
-    """The default model's tokenizer, read once per process (before the model: it checks the flags)."""
-    from hisparse.models.loader import resolve_model_path
-    from hisparse.models.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(resolve_model_path(None))
+    """The default model's tokenizer (before the model: it checks the flags)."""
+    return _model_files().tokenizer()
 
 
 PROG = "python -m hisparse.train_indexer"
@@ -359,10 +364,9 @@ def main(argv=None) -> list[dict]:
     """Returns one summary per epoch run by this invocation (train loss, held-out KL, top-k mass, worst-head
     miss)."""
     from hisparse.data.pydoc_corpus import corpus_tokens
-    from hisparse.models.loader import read_model_config
 
     args = parse_args(argv)
-    check_args(args, read_model_config(None))
+    check_args(args, _model_files().config)
     history = [] if args.init is None else _weights_history(args.init)  # every run that shaped these weights
     tokenizer = _tokenizer()
     retrieval_made = []

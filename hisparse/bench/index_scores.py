@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hisparse.bench.swap_in import MAX_REPEATS
+from hisparse.bench import MAX_REPEATS
 from hisparse.cli_args import OneLineParser, comma_list, int_in, positive_int, run_main
 from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.host_memory import check_fits_in_memory

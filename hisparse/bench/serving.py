@@ -53,6 +53,7 @@ from hisparse.cli_args import (
     size_flag,
 )
 from hisparse.engine.engine_config import resolve_model_dtype
+from hisparse.memory.hisparse_pools import PoolSizing
 from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.loader import ModelFiles, open_model
 
@@ -99,26 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 def default_model_shape(files: ModelFiles) -> tuple[KVLayout, int, int]:
     """(K/V layout as the servers store it, indexer key format, context length) of the default model, read
     from its config and the shipped indexer's metadata without loading any weights."""
-    from hisparse.layers.indexer import read_indexer_config
-
-    shipped = files.default_indexer_weights()
-    if shipped is None:
+    indexer = files.default_indexer_config()
+    if indexer is None:
         raise FileNotFoundError("the default model's indexer weights are missing; run `python -m "
                                 "hisparse.train_indexer`")
-    index_key = read_indexer_config(shipped).key_layout
+    index_key = indexer.key_layout
     # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
     layout = KVLayout.of(files.config, resolve_model_dtype())
     return layout, index_key, files.config.max_position_embeddings
-
-
-def check_memory(budget: int, layout: KVLayout, index_key, config) -> None:
-    """The HiSparse server's own checks of its pools (a budget that buys one request's buffer, pools that fit
-    in available memory), made before either server starts: a server refusing them exits after some 25 s of
-    loading."""
-    from hisparse.memory.hisparse_pools import PoolSizing
-
-    sizing = PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget)
-    sizing.check("cpu")
 
 
 def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int, max_running: int) -> int:
@@ -205,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     per_token = layout.baseline_bytes_per_token(index_key)  # what the baseline server pays per token
     budget = args.device_kv_budget or args.baseline_admits * request_tokens * per_token
     try:
-        check_memory(budget, layout, index_key, config)
+        # The HiSparse server's own checks of its pools, made before either server starts: a server refusing
+        # them exits after some 25 s of loading.
+        PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget).check("cpu")
     except ValueError as error:
         return _fail(str(error))
     max_running = max(levels)

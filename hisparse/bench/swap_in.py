@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numba
 import torch
 
+from hisparse.bench import MAX_REPEATS
 from hisparse.cli_args import (
     OneLineParser,
     comma_list,
@@ -55,13 +56,12 @@ from hisparse.memory.host_memory import PAGE_KINDS, check_fits_in_memory, host_e
 KV_HEADS, HEAD_DIM = 3, 64
 ROW_VALUES = 2 * KV_HEADS * HEAD_DIM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MAX_REPEATS = 1000  # a median of more calls says nothing new; the cap keeps a typo from timing for hours
 THREADING_LAYERS = ("omp", "tbb", "workqueue")
 PROG = "python -m hisparse.bench.swap_in"
 
 
 def row_bytes_of(dtype: torch.dtype) -> int:
-    return ROW_VALUES * torch.finfo(dtype).bits // 8
+    return ROW_VALUES * dtype.itemsize
 
 
 def host_tokens_per_request(num_rows: int, dtype: torch.dtype, host_bytes: int) -> int:

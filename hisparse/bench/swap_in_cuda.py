@@ -28,8 +28,8 @@ from functools import partial
 
 import torch
 
+from hisparse.bench import MAX_REPEATS
 from hisparse.bench.swap_in import (
-    MAX_REPEATS,
     ROW_VALUES,
     Pools,
     check_host_pool,

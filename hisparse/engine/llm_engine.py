@@ -14,7 +14,6 @@ from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.layers.indexer import read_indexer_config
 from hisparse.memory.hisparse_cache import HiSparseKVCache
 from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 from hisparse.models.loader import load_llama, open_model
@@ -47,8 +46,7 @@ class LLMEngine:
             mc, indexer = model.config, getattr(model, "indexer_config", None)
             model_dtype = model.embed_tokens.weight.dtype
         else:  # what load_llama will build: the shipped indexers on the default model, none on any other
-            shipped = files.default_indexer_weights()
-            mc, indexer = files.config, None if shipped is None else read_indexer_config(shipped)
+            mc, indexer = files.config, files.default_indexer_config()
             model_dtype = self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
         layout = KVLayout.of(mc, self.config.kv_dtype(model_dtype))

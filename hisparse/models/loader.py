@@ -70,6 +70,14 @@ class ModelFiles:
 
         return SHIPPED_WEIGHTS if self.path == default_model_path() and SHIPPED_WEIGHTS.exists() else None
 
+    def default_indexer_config(self):
+        """The IndexerConfig of `default_indexer_weights` from its metadata alone (None: the model stays dense),
+        for sizing the indexer-key cache before any weight loads."""
+        from hisparse.layers.indexer import read_indexer_config
+
+        shipped = self.default_indexer_weights()
+        return None if shipped is None else read_indexer_config(shipped)
+
 
 def open_model(model: str | Path | ModelFiles | None = None) -> ModelFiles:
     """A GGUF file, a Hugging Face Llama folder, or None for the default model, opened for `load_llama`."""
