@@ -100,7 +100,7 @@ def test_serial_and_parallel_kernels_are_separate_functions():
              (top_k_cpu._top_k_runners_up_serial, top_k_cpu._top_k_runners_up_parallel), index_scores_cpu._kernels(64),
              (swap_in_cpu._plan_batch_serial, swap_in_cpu._plan_batch_parallel),
              (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel),
-             (decode_attention_cpu._attend_serial, decode_attention_cpu._attend_parallel)]
+             decode_attention_cpu._kernels(3, 3, 64)]
     for serial, parallel in pairs:
         assert serial.py_func is not parallel.py_func
         assert not serial.targetoptions.get("parallel") and parallel.targetoptions.get("parallel")
