@@ -46,52 +46,57 @@ def int8_past_scores(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: 
     return torch.from_numpy(out)
 
 
+def _score(keys, s, qb, wb, head_dim):
+    total = np.float32(0.0)
+    for h in range(qb.shape[0]):
+        acc = np.float32(0.0)
+        for d in range(head_dim):
+            acc += qb[h, d] * np.float32(keys[s, d])
+        total += wb[h] * max(acc, np.float32(0.0))
+    return total
+
+
+def _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim):
+    """Work item t: TILE positions of one request."""
+    tiles = (slots.shape[1] + TILE - 1) // TILE
+    b = t // tiles
+    lo = (t % tiles) * TILE
+    hi = min(lo + TILE, slots.shape[1])
+    n = lengths[b]
+    qb = q[b]
+    wb = w[b]
+    for p in range(lo, hi):
+        if p >= n:
+            out[b, p] = -np.inf
+        elif p == n - 1:
+            out[b, p] = np.inf
+        else:
+            s = slots[b, p]
+            out[b, p] = _score(keys, s, qb, wb, head_dim) * scales[s]
+
+
+# Inlined at numba's level into the drivers below (compiled with the same flags), where head_dim is a constant.
+_score, _score_tile = (njit(fastmath=_FLAGS, cache=True, inline="always")(f) for f in (_score, _score_tile))
+
+
 @functools.cache
 def _kernels(head_dim: int):
     """(serial, parallel) scorers for keys of `head_dim` dims. The dim is a constant of the compiled code:
     with it known, the dot product is a few full-width vector instructions; as a run-time bound the loop
-    took 1.6x as long (loop checks and a remainder around the same vector body). numba caches each
-    dim's kernels on disk like any other."""
-
-    @njit(fastmath=_FLAGS, cache=True)
-    def score(keys, s, qb, wb):
-        total = np.float32(0.0)
-        for h in range(qb.shape[0]):
-            acc = np.float32(0.0)
-            for d in range(head_dim):
-                acc += qb[h, d] * np.float32(keys[s, d])
-            total += wb[h] * max(acc, np.float32(0.0))
-        return total
-
-    @njit(fastmath=_FLAGS, cache=True)
-    def score_tile(keys, scales, slots, q, w, lengths, out, t):
-        """Work item t: TILE positions of one request."""
-        tiles = (slots.shape[1] + TILE - 1) // TILE
-        b = t // tiles
-        lo = (t % tiles) * TILE
-        hi = min(lo + TILE, slots.shape[1])
-        n = lengths[b]
-        qb = q[b]
-        wb = w[b]
-        for p in range(lo, hi):
-            if p >= n:
-                out[b, p] = -np.inf
-            elif p == n - 1:
-                out[b, p] = np.inf
-            else:
-                s = slots[b, p]
-                out[b, p] = score(keys, s, qb, wb) * scales[s]
+    took 1.6x as long (loop checks and a remainder around the same vector body). The drivers capture only
+    the integer, so numba's disk cache finds them again in the next process (drivers that captured another
+    compiled function got a new cache key, and were compiled anew, in every process)."""
 
     # Two drivers, not one function compiled twice: numba's disk cache keys a compiled function by the
     # Python function and the argument types, not by `parallel`, so the two would share one cache entry.
-    @njit(cache=True)
+    @njit(fastmath=_FLAGS, cache=True)
     def serial(keys, scales, slots, q, w, lengths, out):
         for t in range(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
-            score_tile(keys, scales, slots, q, w, lengths, out, t)
+            _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim)
 
-    @njit(parallel=True, cache=True)
+    @njit(fastmath=_FLAGS, parallel=True, cache=True)
     def parallel(keys, scales, slots, q, w, lengths, out):
         for t in prange(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
-            score_tile(keys, scales, slots, q, w, lengths, out, t)
+            _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim)
 
     return serial, parallel
