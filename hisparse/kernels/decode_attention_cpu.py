@@ -14,9 +14,10 @@ The code is compiled for each (KV heads, query heads per KV head, head dim) so t
 constant length and becomes a few full-width vector instructions, and the softmax's exponential is a
 polynomial LLVM vectorizes (numba's np.exp is a scalar libm call per score, a fifth of the kernel's time).
 Against the first version (runtime loop bounds, one row at a time, libm exp), side by side on our 2-core
-EPYC, medians of 9: 30 layers x 16 requests x 256 bfloat16 rows took 7.6-11.2 ms instead of 15.5-20.4,
-batch 4 4.5-6.4 instead of 7.9-10.6; in the engine, a batch-16 HiSparse decode step 0.907x as long (170
-against 188 ms), a batch-4 baseline step 0.957x.
+EPYC, medians of 9 (a one-off script that imported both files; the figures are in issue 6's notes): 30
+layers x 16 requests x 256 bfloat16 rows took 7.6-11.2 ms instead of 15.5-20.4, batch 4 4.5-6.4 instead
+of 7.9-10.6; in the engine, a batch-16 HiSparse decode step 0.907x as long (170 against 188 ms), a
+batch-4 baseline step 0.957x.
 
 Rows whose index is -1 take no part; a request with none gets zeros.
 """
@@ -62,6 +63,8 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
                          f"of {head_dim}")
     group = num_heads // num_kv_heads
     raw = pool.view(torch.int16) if pool.dtype == torch.bfloat16 else pool
+    # Every index in the loops is a loop variable of its own axis: numba then needs no negative-index fix-up,
+    # and the loops over a head's dims vectorize (with `base + d` into flat rows they did not: 4x slower).
     flat = raw.numpy()  # [N, W], what the prefetch reads a row of
     words = flat.reshape(pool.shape[0], 2, num_kv_heads, head_dim)
     queries = q.to(torch.float32).contiguous().numpy().reshape(batch, num_kv_heads, group, head_dim)
@@ -158,7 +161,9 @@ def _accumulate_tile(tile, weights, acc):
 
 def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b, tile, acc):
     """Request b's output. tile [TILE_ROWS, H, D] and acc [H, G, D] are zeros from the caller, whose
-    shapes are constants of the compiled code: every loop bound below is read from them."""
+    shapes are constants of the compiled code: every loop bound below is read from them. The tile must be
+    zeros, not np.empty: a request with fewer rows than a tile leaves slots unwritten, and their weight 0
+    times a NaN of uninitialized memory would be NaN."""
     num_kv_heads, group, _ = acc.shape
     length = rows.shape[1]
     scores = np.empty((num_kv_heads, group, length), np.float32)
