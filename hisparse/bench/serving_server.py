@@ -1,6 +1,6 @@
 """The real server (`python -m hisparse.launch_server`) as a child process on a free loopback port.
 
-A serving benchmark has to measure what users run: the HTTP stack, the engine thread and the OpenAI wire
+A serving benchmark has to measure what users run: the HTTP stack, the engine loop and the OpenAI wire
 format included. Its output goes to a log file next to the results, so a server that fails to start is
 reported with its own last lines instead of a bare timeout.
 """
@@ -86,7 +86,7 @@ class ServerProcess:
         return response.json()["data"][0]["id"]
 
     def stop(self) -> None:
-        """SIGTERM lets uvicorn shut the engine thread down; a server that hangs is killed after 30 s."""
+        """SIGTERM lets uvicorn shut down, and the engine loop with it; a server that hangs is killed after 30 s."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()

@@ -1,2 +1,2 @@
-"""The OpenAI-compatible server: CLI flags (args), wire format (protocol), the engine thread (engine_loop),
+"""The OpenAI-compatible server: CLI flags (args), wire format (protocol), the engine loop (engine_loop),
 the HTTP app (api_server) and Prometheus metrics (metrics)."""

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one EngineLoop.
 
 Handlers run on the asyncio loop and never touch the engine: they validate, tokenize, hand the request to
-the engine thread and relay its deltas. Every refusal is an OpenAI-style error body
+the engine loop and relay its deltas. Every refusal is an OpenAI-style error body
 `{"error": {"message", "type", "param", "code"}}` with a 4xx status, so a client bug never reaches the
 engine and never costs another request anything.
 """
@@ -134,7 +134,8 @@ def _sse(payload: str) -> str:
 
 
 def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: int = 256) -> FastAPI:
-    """The engine thread is started with the app and stopped with it."""
+    """The app stops the engine loop when it shuts down, and starts it in a thread of its own at start-up unless
+    it was started already (`python -m hisparse.launch_server` runs it in the main thread)."""
     engine = engine_loop.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -143,7 +144,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not engine_loop.alive:
+        if not engine_loop.started:
             engine_loop.start()
         yield
         await asyncio.to_thread(engine_loop.stop)
@@ -314,7 +315,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
     @app.get("/health")
     async def health() -> Response:
         if not engine_loop.alive:
-            return APIError(503, "the engine thread is not running", code="engine_unavailable").response()
+            return APIError(503, "the engine loop is not running", code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
