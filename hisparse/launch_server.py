@@ -1,9 +1,8 @@
 """`python -m hisparse.launch_server --port 30000 [--enable-hisparse ...]`: the OpenAI-compatible server.
 
 Flags are checked (and the port tried) before the model loads, so mistakes fail in a second with one line.
-The engine loop runs in the main thread, which loaded the model, and uvicorn in a thread of its own: torch
-steps run 1.3-1.5x slower in a thread other than the one that did its first work (the measurements are in
-`hisparse/server/engine_loop.py`). SIGINT and SIGTERM tell uvicorn to shut down, which stops the loop.
+The engine loop runs in the main thread, which loaded the model, and uvicorn in a thread of its own
+(`hisparse/server/engine_loop.py` says why). SIGINT and SIGTERM tell uvicorn to shut down, which stops the loop.
 """
 
 from __future__ import annotations

@@ -5,16 +5,12 @@ down cleanly."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 
-from hisparse.bench.serving_server import free_loopback_port
+from hisparse.bench.serving_server import ServerProcess, wait_ready
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
@@ -56,31 +52,16 @@ def test_run_steps_the_engine_in_the_calling_thread(llama, tokenizer):
         loop.start()
 
 
-def test_server_process_serves_and_shuts_down_on_sigterm():
-    port = free_loopback_port()
-    process = subprocess.Popen([sys.executable, "-m", "hisparse.launch_server", "--host", "127.0.0.1",
-                                "--port", str(port), "--log-level", "warning"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_server_process_serves_and_shuts_down_on_sigterm(tmp_path):
+    server = ServerProcess("default", [], tmp_path / "server.log")
+    server.start()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not answer /health in 120 s"
-            time.sleep(0.2)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                              json={"model": models["data"][0]["id"], "prompt": "Hello", "max_tokens": 3})
+        wait_ready([server], timeout=120)
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                              json={"model": server.model_name(), "prompt": "Hello", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
-        process.send_signal(signal.SIGTERM)  # what ServerProcess.stop and service managers send
-        output, _ = process.communicate(timeout=30)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, output
-    assert "Traceback" not in output
+        server.stop()  # SIGTERM, as service managers send; killed (a non-zero status) if it hangs 30 s
+    log = server.log_path.read_text()
+    assert server.process.returncode == 0, log
+    assert "Traceback" not in log
