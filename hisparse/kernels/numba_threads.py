@@ -1,11 +1,13 @@
-"""Which thread pool numba's parallel loops run on: TBB when the `tbb` wheel is there, else workqueue.
+"""Which thread pool numba's parallel loops run on: torch's own OpenMP team when hisparse could load the
+runtime before torch (see openmp_runtime), else TBB when the `tbb` wheel is there, else workqueue.
 
-Our parallel loops (the cpu swap-in, the miss-rate simulator) share the cores with torch and, in the
-server, with the HTTP threads. Numba's default "omp" layer brings a second OpenMP runtime next to the
-one torch bundles, and its "workqueue" layer hands each worker a fixed share of a loop: on a busy
-machine the loop waits for a worker the OS has not scheduled yet. Measured on our 2 cores with one
-core busy, a batch-16 swap-in that takes 0.2 ms on TBB took 13.6 ms on workqueue. TBB steals work,
-so the threads that run finish the shares of those that do not.
+Our parallel loops (the cpu swap-in, top-k, the decode attention, the miss-rate simulator) share the cores
+with torch and, in the server, with the HTTP thread. On torch's own team a loop costs a wake-up of threads that
+are still spinning from torch's last op. Numba's "omp" layer beside torch's bundled runtime (torch imported
+first) would be a second team of spinning threads fighting the first for the cores. Of the others, "workqueue"
+hands each worker a fixed share of a loop: on a busy machine the loop waits for a worker the OS has not
+scheduled yet (measured on our 2 cores with one core busy, a batch-16 swap-in that takes 0.2 ms on TBB took
+13.6 ms on workqueue); TBB steals work, so the threads that run finish the shares of those that do not.
 
 The `tbb` wheel puts libtbb in the environment's `lib` folder, where numba's loader does not look, so
 we load it first. A user's NUMBA_THREADING_LAYER always wins.
@@ -18,6 +20,8 @@ import os
 from importlib import metadata
 
 import numba
+
+from hisparse.kernels.openmp_runtime import openmp_is_shared, start_shared_team
 
 TBB_LIBRARY = "libtbb.so.12"
 
@@ -42,7 +46,11 @@ def choose_threading_layer() -> str:
     wheel's library loaded too (numba would not find it and fail at the first parallel loop)."""
     chosen = os.environ.get("NUMBA_THREADING_LAYER")
     if chosen is None:
-        numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
+        if openmp_is_shared():
+            numba.config.THREADING_LAYER = "omp"
+            start_shared_team()
+        else:
+            numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
     elif chosen == "tbb":
         _load_tbb()
     return numba.config.THREADING_LAYER
