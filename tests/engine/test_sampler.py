@@ -48,3 +48,28 @@ def test_a_vanishing_temperature_or_top_p_samples_the_largest_logit(temperature,
     tiny_top_p = [Request([1], SamplingParams(temperature=1.0, top_p=5e-324, seed=i)) for i in range(len(rows))]
     for row, token in zip(logits, sample(logits, tiny_top_p), strict=True):
         assert row[token] == row.max()
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zero():
+    # probabilities 0.5 / 0.25 / 0.15 / 0.1 / 0 (the last logit is -inf, as after a top-k or top-p filter)
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.cat([probs.log(), torch.tensor([float("-inf")])]).unsqueeze(0)
+    request = Request([1], SamplingParams(temperature=1.0, seed=7))
+    draws = torch.tensor([sample(logits, [request])[0] for _ in range(20000)])
+    counts = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert counts[4] == 0
+    # 20000 draws: the standard error of a share of 0.5 is 0.0035, so 0.015 is over 4 of them
+    assert torch.allclose(counts[:4], probs.double(), atol=0.015), counts
+
+
+def test_the_same_seed_draws_the_same_tokens():
+    logits = torch.randn(2, 1000)
+    first = [sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=s)) for s in (3, 4)])
+             for _ in range(3)]
+    assert first[0] == first[1] == first[2]
+
+
+def test_a_uniform_number_rounded_up_to_the_total_draws_the_last_token_of_probability_above_zero(monkeypatch):
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
+    assert sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=0))]) == [1]
