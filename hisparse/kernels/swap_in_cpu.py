@@ -59,12 +59,13 @@ choose_threading_layer()
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 # Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
-# workers, milliseconds on a loaded machine), so small steps run on the calling thread. In the engine the
-# workers also wait for the cores torch's threads spin on between two layers: at batch 16 and 32 (about
-# 10% misses) a layer's swap-in took 146 / 193 / 141 us planned on one thread against 152 / 219 / 205 us
-# planned in parallel (two engines stepping in turn, three runs), so only a batch of 64 requests at
-# top-256 plans in parallel, where the benchmark's 100%-miss calls gain from it.
-PARALLEL_MIN_SELECTED = 16384  # batch x top_k
+# workers, milliseconds on a loaded machine), so small steps run on the calling thread. Measured in the engine
+# (one engine, 1.5k contexts, top_k 256, hot buffer 300, variants taking turns step by step, medians of 60
+# steps, numba on torch's OpenMP team): planning in parallel from batch 16 up, with top-k's parallel threshold
+# at 16384 too, made a batch-16 step 2-5% faster in three runs (129.2 vs 136.5, 155.7 vs 162.3 ms), and at
+# batch 4 and 8 planning in parallel was 2-3% slower. (On TBB, before torch's team was shared, batch 16 and 32
+# had planned faster on one thread: 146 / 193 / 141 against 152 / 219 / 205 us a layer.)
+PARALLEL_MIN_SELECTED = 4096  # batch x top_k
 PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
 _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have
 _NO_AGE = torch.zeros((1, 1), dtype=torch.int32)

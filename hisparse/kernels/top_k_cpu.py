@@ -31,10 +31,11 @@ from hisparse.kernels.numba_threads import choose_threading_layer
 choose_threading_layer()
 
 # batch x width below which one thread does it all. A short parallel region costs the engine more than
-# its own time: the thread pool's wake-up, and a slower swap-in after it (at batch 8, 2k context, 192 against
-# 150 us a layer). Two engines stepping in turn, batch 8 and 2k context: a step took 0.935x and 0.964x as
-# long with the serial top-k; at batch 16 the two were even (1.002).
-PARALLEL_MIN_SCORES = 32768
+# its own time: the thread pool's wake-up, and a slower swap-in after it. On numba's TBB pool a batch-8 step
+# at 2k context took 0.935x and 0.964x as long with the serial top-k. On torch's own OpenMP team (see
+# numba_threads) a batch-16 step at 1.5k context (27k scores) was 2-5% faster with top-k and the swap-in plan
+# in parallel (swap_in_cpu's PARALLEL_MIN_SELECTED says how it was measured), batch 8 even.
+PARALLEL_MIN_SCORES = 16384
 
 
 def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
