@@ -12,6 +12,9 @@ the buffer. The host pool is larger than the caches and its rows are scattered, 
     python -m hisparse.bench.swap_in [--repeats 7] [--buffer 512] [--top-k 256] [--dtype float32,bfloat16]
                                      [--host-pages huge] [--host-pages small,huge]
 
+numba's threading layer is the one hisparse chose at import (torch's own OpenMP team, or TBB): to time another,
+set it before the process starts, `NUMBA_THREADING_LAYER=tbb python -m hisparse.bench.swap_in`.
+
 The host pool is allocated as the engine allocates it (`host_memory.host_empty`: 2 MiB pages where the
 kernel lends them); `--host-pages small,huge` gives each kind its own pools and times their calls in
 turn, row by row, and the table says how much of each pool the kernel actually backed with huge pages.
@@ -56,7 +59,6 @@ from hisparse.memory.host_memory import PAGE_KINDS, check_fits_in_memory, host_e
 KV_HEADS, HEAD_DIM = 3, 64
 ROW_VALUES = 2 * KV_HEADS * HEAD_DIM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-THREADING_LAYERS = ("omp", "tbb", "workqueue")
 PROG = "python -m hisparse.bench.swap_in"
 
 
@@ -185,9 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", type=comma_list(one_of(*BACKENDS)), default="cpu,reference",
                         help=f"comma list of swap-in backends ({', '.join(BACKENDS)}; triton needs TRITON_INTERPRET=1 "
                              "here, on a GPU run hisparse.bench.swap_in_cuda)")
-    parser.add_argument("--threading-layer", type=one_of(*THREADING_LAYERS), default=None,
-                        help=f"numba threading layer ({', '.join(THREADING_LAYERS)}); default: "
-                             "hisparse.kernels.numba_threads' choice")
     return parser
 
 
@@ -211,19 +210,11 @@ def check_args(args: argparse.Namespace) -> None:
                          f"two copy buffers of {args.copy_mib} MiB")
 
 
-def use_threading_layer(layer: str | None) -> None:
-    """Set numba's threading layer as the user's variable, so that the cpu swap-in's own choice keeps it."""
-    if layer:
-        os.environ["NUMBA_THREADING_LAYER"] = numba.config.THREADING_LAYER = layer
-    choose_threading_layer()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        use_threading_layer(args.threading_layer)
     except ValueError as error:
         parser.error(str(error))
     page_kinds, batches, rates, backends = args.host_pages, args.batches, args.miss_rates, args.backends
@@ -232,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     copy = PlainCopy(args.copy_mib << 20)
     copy_gbps = copy.gbps(args.repeats)
     print(f"plain copy of {args.copy_mib} MiB (torch copy_): {copy_gbps:.2f} GB/s, "
-          f"threads: torch {torch.get_num_threads()}, numba {numba.config.NUMBA_NUM_THREADS} "
-          f"(layer {numba.config.THREADING_LAYER})")
+          f"threads: torch {torch.get_num_threads()}, numba {numba.get_num_threads()} "
+          f"(layer {choose_threading_layer()})")
     print(f"S={args.buffer} K={args.top_k} row={ROW_VALUES} values, host pool {args.host_gib:g} GiB, "
           f"median of {args.repeats}")
     for name in args.dtype:

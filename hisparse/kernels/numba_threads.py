@@ -41,9 +41,17 @@ def _load_tbb() -> bool:
     return False
 
 
+_chosen: str | None = None
+
+
 def choose_threading_layer() -> str:
     """Set numba's threading layer (before its first parallel loop) and return it; a user who chose tbb gets the
-    wheel's library loaded too (numba would not find it and fail at the first parallel loop)."""
+    wheel's library loaded too (numba would not find it and fail at the first parallel loop). On torch's team
+    it also starts the layer (openmp_runtime.start_shared_team). Decided once per process: every kernel module
+    calls this at import, and a later call must not see another package's libgomp and pick again."""
+    global _chosen
+    if _chosen is not None:
+        return _chosen
     chosen = os.environ.get("NUMBA_THREADING_LAYER")
     if chosen is None:
         if openmp_is_shared():
@@ -53,4 +61,11 @@ def choose_threading_layer() -> str:
             numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
     elif chosen == "tbb":
         _load_tbb()
-    return numba.config.THREADING_LAYER
+    _chosen = numba.config.THREADING_LAYER
+    return _chosen
+
+
+def on_torch_team() -> bool:
+    """Whether numba's parallel loops run on torch's own OpenMP team: a parallel region is cheaper there than on
+    TBB, so the kernels' thresholds for going parallel differ."""
+    return choose_threading_layer() == "omp" and openmp_is_shared()

@@ -1,18 +1,26 @@
 """One OpenMP runtime for torch and numba, when hisparse is imported before torch.
 
-Torch runs its CPU ops on OpenMP (its wheel bundles `torch/lib/libgomp.so.1`); numba's "omp" threading layer
-links the system's `libgomp.so.1` by file name. Both libraries have the same SONAME, so whichever the process
-loads first is the one both bind to, and numba's parallel loops then run on torch's own thread team: no
-second pool of busy-waiting workers fighting it for the cores, and a parallel region costs a wake-up of
-spinning threads instead of a hand-off to another pool. Loaded the other way round (torch first), two runtimes
+Torch runs its CPU ops on OpenMP: libtorch asks for `libgomp.so.1`, which its wheel bundles. Numba's "omp"
+threading layer asks for the system's `libgomp.so.1.0.0` by file name. The binding is one-sided: a system
+libgomp already in the process carries the SONAME `libgomp.so.1` and satisfies torch's request, while torch's
+copy never satisfies numba's. So loading numba's layer first leaves one runtime, and numba's parallel loops run
+on torch's own thread team: no second pool of busy-waiting workers fighting it for the cores, and a parallel
+region costs a wake-up of spinning threads instead of a hand-off to another pool. Torch first, two runtimes
 sit in the process, and numba's omp layer would make both spin against each other; `choose_threading_layer`
 then keeps numba on TBB.
 
-One setting of numba's omp layer has to be undone: starting its threads, it enables nested parallelism
-(`omp_set_nested(1)`, 255 active levels), a process-wide setting. Torch's ops call MKL inside their own
-parallel regions (the flash-attention kernel of a prefill does, once per block), and with nesting on, every such
-call starts a nested team with fresh threads on cores that are already busy: a 1536-token prefill took 2.1 s
-instead of 0.7 s (offline, after one decode with swap-in had run numba's loops).
+Two settings of numba's omp start are process-wide and have to be put back:
+- it enables nested parallelism (`omp_set_nested(1)`, 255 active levels). Torch's ops call MKL inside their own
+  parallel regions (the flash-attention kernel of a prefill does, once per block), and with nesting on, every
+  such call starts a nested team with fresh threads on cores that are already busy: in the server a
+  1536-token prompt's first token came after 12 s instead of 2.7 s once a decode had run numba's loops
+  (an ad-hoc probe, py-spy showing GOMP barrier waits and pthread_create inside cpu_flash_attention);
+- it sets the team size to numba's thread count (all CPUs), overriding torch's (OMP_NUM_THREADS or the
+  physical cores). Numba is started with torch's count instead, so that both use teams of one size: libgomp
+  ends surplus threads when a team shrinks and creates them again when it grows.
+
+Numba's omp layer cannot survive a fork: a forked child that runs a parallel loop is terminated. Nothing in
+hisparse forks; a program that does should use the spawn start method or set NUMBA_THREADING_LAYER=tbb.
 """
 
 from __future__ import annotations
@@ -58,11 +66,17 @@ def openmp_is_shared() -> bool:
 
 
 def start_shared_team() -> None:
-    """Start numba's omp layer now, then turn nested parallelism back off (see the module docstring).
-
-    Numba starts its layer at the first parallel loop, and that start is what enables nesting, so it is made
-    here, once, before any loop runs."""
+    """Start numba's omp layer now, on torch's team size, then put back the settings its start changes (see
+    the module docstring). Numba starts its layer at the first parallel loop, and that start is what changes
+    them, so it is made here, once, before any loop runs."""
+    import torch
     from numba.np.ufunc import parallel
 
+    threads = torch.get_num_threads()
+    if "NUMBA_NUM_THREADS" not in os.environ:
+        # numba's own count, read at its import, is what its start passes to omp_set_num_threads
+        parallel.NUM_THREADS = min(threads, parallel.NUM_THREADS)
     parallel._launch_threads()  # numba's own lazy start, made eagerly; idempotent
-    ctypes.CDLL("libgomp.so.1").omp_set_max_active_levels(1)
+    gomp = ctypes.CDLL("libgomp.so.1")
+    gomp.omp_set_num_threads(threads)
+    gomp.omp_set_max_active_levels(1)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from hisparse.kernels.numba_threads import choose_threading_layer
+from hisparse.kernels.numba_threads import on_torch_team
 from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2
 from hisparse.kernels.swap_in import (
     NEXT_RANKED_OUT_OF_RANGE,
@@ -54,18 +54,18 @@ from hisparse.kernels.swap_in import (
 from hisparse.kernels.work_claim import claim
 from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
-choose_threading_layer()
-
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 # Below these sizes a parallel region costs more than it saves (tens of microseconds to wake the
-# workers, milliseconds on a loaded machine), so small steps run on the calling thread. Measured in the engine
-# (one engine, 1.5k contexts, top_k 256, hot buffer 300, variants taking turns step by step, medians of 60
-# steps, numba on torch's OpenMP team): planning in parallel from batch 16 up, with top-k's parallel threshold
-# at 16384 too, made a batch-16 step 2-5% faster in three runs (129.2 vs 136.5, 155.7 vs 162.3 ms), and at
-# batch 4 and 8 planning in parallel was 2-3% slower. (On TBB, before torch's team was shared, batch 16 and 32
-# had planned faster on one thread: 146 / 193 / 141 against 152 / 219 / 205 us a layer.)
-PARALLEL_MIN_SELECTED = 4096  # batch x top_k
+# workers, milliseconds on a loaded machine), so small steps run on the calling thread. On torch's own OpenMP
+# team (numba_threads), measured in the engine by an ad-hoc script (one engine, 1.5k contexts, top_k 256, hot
+# buffer 300, the variants taking turns step by step, medians of 60 steps): planning in parallel from batch
+# 16 up, with top-k in parallel too, made a batch-16 step 2-5% faster in three runs (129.2 vs 136.5, 155.7 vs
+# 162.3, 139.9 vs 142.9 ms); at batch 4 and 8 a parallel plan was 0-3% slower. On TBB, batch 16 and 32 (about
+# 10% misses) planned faster on one thread: a layer's swap-in took 146 / 193 / 141 us planned serially against
+# 152 / 219 / 205 us in parallel (two engines stepping in turn, three runs), so there only batch 64 plans in
+# parallel.
+PARALLEL_MIN_SELECTED = 4096 if on_torch_team() else 16384  # batch x top_k
 PARALLEL_MIN_BYTES = 1 << 20  # bytes of missed rows
 _NO_REFERENCED = torch.zeros((1, 1), dtype=torch.int8)  # stands for a state the policy does not have
 _NO_AGE = torch.zeros((1, 1), dtype=torch.int32)
@@ -73,7 +73,7 @@ _NO_GHOSTS = (torch.full((1, 1), -1, dtype=torch.int32), torch.zeros((1, 1), dty
 _NO_RANKS = np.empty((0, 0), np.int64)  # next_ranked of a policy that reads none (any batch: M = 0)
 _NOT_A_POSITION = -2  # the "newest position" of a plain swap-in call: matches no selection, not even padding
 _PREFETCH_AHEAD = 8  # rows; 4 and 16 did as well
-_COPY_CHUNK = 256  # rows per iteration of a parallel copy: many more than threads, so that TBB can balance them
+_COPY_CHUNK = 256  # rows per claimed chunk of a parallel copy: many per thread, so the threads finish together
 
 
 def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,

@@ -26,16 +26,14 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from hisparse.kernels.numba_threads import choose_threading_layer
-
-choose_threading_layer()
+from hisparse.kernels.numba_threads import on_torch_team
 
 # batch x width below which one thread does it all. A short parallel region costs the engine more than
 # its own time: the thread pool's wake-up, and a slower swap-in after it. On numba's TBB pool a batch-8 step
-# at 2k context took 0.935x and 0.964x as long with the serial top-k. On torch's own OpenMP team (see
-# numba_threads) a batch-16 step at 1.5k context (27k scores) was 2-5% faster with top-k and the swap-in plan
-# in parallel (swap_in_cpu's PARALLEL_MIN_SELECTED says how it was measured), batch 8 even.
-PARALLEL_MIN_SCORES = 16384
+# at 2k context took 0.935x and 0.964x as long with the serial top-k. On torch's own OpenMP team a batch-16
+# step at 1.5k context (about 26k scores) was faster with top-k and the swap-in plan in parallel
+# (swap_in_cpu's PARALLEL_MIN_SELECTED gives the figures); smaller batches were not measured there.
+PARALLEL_MIN_SCORES = 24576 if on_torch_team() else 32768
 
 
 def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -80,8 +80,6 @@ def test_missrate_refuses(argv, word, tmp_path, assert_refused):
     (["--copy-mib", "0"], "--copy-mib"),
     (["--copy-mib", BIG], "memory available"),
     (["--backends", "bogus"], "'bogus' is not one of"),
-    (["--threading-layer", "bogus", "--backends", "cpu"], "'bogus' is not one of"),
-    (["--threading-layer", "bogus", "--backends", "reference"], "'bogus' is not one of"),
     (["--top-k", "0"], "--top-k"),
     (["--buffer", "0"], "--buffer: must be >= 1"),
     (["--top-k", "64", "--buffer", "32"], "--top-k must not exceed --buffer"),

@@ -7,6 +7,7 @@ and top_p below float32's smallest number.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,14 +63,20 @@ def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zer
     assert torch.allclose(counts[:4], probs.double(), atol=0.015), counts
 
 
-def test_the_same_seed_draws_the_same_tokens():
-    logits = torch.randn(2, 1000)
-    first = [sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=s)) for s in (3, 4)])
-             for _ in range(3)]
-    assert first[0] == first[1] == first[2]
+def test_the_same_seed_draws_the_same_tokens_and_other_seeds_others():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+
+    def draws(seed: int) -> list[int]:
+        request = Request([1], SamplingParams(temperature=1.0, seed=seed))
+        return [sample(logits, [request])[0] for _ in range(20)]
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
 
 
-def test_a_uniform_number_rounded_up_to_the_total_draws_the_last_token_of_probability_above_zero(monkeypatch):
-    logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
-    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
-    assert sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=0))]) == [1]
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_logit_raises_instead_of_drawing_a_token_past_the_vocabulary(bad):
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = bad
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=0))])
