@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         engine = LLMEngine(config)
     except (ValueError, FileNotFoundError) as error:
         return fail(prog, str(error))
+    if not args.skip_server_warmup:
+        from hisparse.engine.warm_up import warm_up_in_place
+
+        log.info("warming up (one short request; its tokens are not counted in /metrics)")
+        if not warm_up_in_place(engine):
+            log.warning("no warm-up: the device budget cannot hold a request past the hot buffer")
     engine_loop = EngineLoop(engine)
     app = create_app(engine_loop, args.model_name(), args.max_queued_requests)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))

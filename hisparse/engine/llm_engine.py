@@ -201,6 +201,16 @@ class LLMEngine:
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
 
+    def reset_stats(self) -> None:
+        """Zero every counter stats_dict() reports (memory usage is live, not a counter), so that a server's
+        metrics start from its first real request, not from its warm-up."""
+        self.stats = EngineStats()
+        self.runner.forward_seconds = 0.0
+        self.scheduler.peak_running = len(self.scheduler.running)
+        counters = getattr(self.cache, "counters", None)
+        if counters is not None:
+            counters.reset()
+
     def stats_dict(self) -> dict:
         """Engine counters, memory usage and (with HiSparse) hits, misses, evictions, bytes and seconds."""
         s = self.stats

@@ -17,3 +17,24 @@ def warm_up(config: EngineConfig, model, tokenizer: Tokenizer, prompt: list[int]
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished:
         engine.step()
+
+
+WARM_UP_TEXT = "The engine compiles its kernels before the first request arrives. "
+
+
+def warm_up_in_place(engine: LLMEngine) -> bool:
+    """One short request through `engine` itself, then its counters zeroed: a server must not make its first
+    user pay the kernels' compiling (seconds on the first run after an install, a load from numba's cache
+    after that), and a second engine of the same config would need its memory twice. The prompt outgrows the
+    hot buffer, so that the swap-in runs. False (nothing run) when the budget cannot hold such a request."""
+    sparse = engine.config.hisparse_config
+    length = (sparse.device_buffer_size if sparse is not None else 0) + 16
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    if length + params.max_tokens > min(engine.cache.capacity_tokens, engine.max_model_len):
+        return False
+    ids = engine.tokenizer.encode(WARM_UP_TEXT * (length // 8 + 1))[:length]
+    engine.add_request(ids, params)
+    while engine.has_unfinished:
+        engine.step()
+    engine.reset_stats()
+    return True

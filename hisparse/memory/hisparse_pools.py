@@ -65,6 +65,13 @@ class SwapInCounters:
         self.fast_path = torch.zeros((), dtype=torch.int64, device=device)  # selections served without swap-in
         self.prompt_load_bytes = 0  # prompt tails copied into hot buffers after prefill
 
+    def reset(self) -> None:
+        """Zero every counter in place: the swap-in kernels hold views of `totals` and `seconds`."""
+        self.totals.zero_()
+        self.seconds[:] = 0.0
+        self.fast_path.zero_()
+        self.prompt_load_bytes = 0
+
     def as_dict(self) -> dict:
         counts = torch.cat((self.totals.flatten(), self.fast_path.view(1))).cpu().numpy()  # one device read
         hits, misses, evictions = counts[:-1].reshape(-1, 3).T

@@ -37,6 +37,7 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "cpu"
     log_level: str = "info"
+    skip_server_warmup: bool = False
 
     def engine_config(self) -> EngineConfig:
         """Raises ValueError naming the field, like EngineConfig itself."""
@@ -106,6 +107,9 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "natively, else float32); the indexer stays float32")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
+    ap.add_argument("--skip-server-warmup", action="store_true",
+                    help="serve without first running one short request through the engine (which compiles its "
+                         "kernels, or loads them from numba's cache, before the first user request)")
     return ap
 
 

@@ -57,6 +57,9 @@ def test_server_process_serves_and_shuts_down_on_sigterm(tmp_path):
     server.start()
     try:
         wait_ready([server], timeout=120)
+        # the warm-up request ran before /health answered, and /metrics does not count it
+        metrics = server.metrics()
+        assert metrics["hisparse_engine_steps_total"] == metrics["hisparse_prompt_tokens_total"] == 0
         response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                               json={"model": server.model_name(), "prompt": "Hello", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
