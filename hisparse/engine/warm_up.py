@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+from contextlib import contextmanager
+
+import torch
+
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
@@ -20,21 +25,52 @@ def warm_up(config: EngineConfig, model, tokenizer: Tokenizer, prompt: list[int]
 
 
 WARM_UP_TEXT = "The engine compiles its kernels before the first request arrives. "
+# Each compiled CPU kernel's size from which it runs its parallel variant (module, global): a warm-up request is
+# far too small to reach them, so it runs a second time with all of them at 0, and the parallel variants a batch
+# of 16 would first use are compiled (or loaded) before serving too.
+PARALLEL_THRESHOLDS = (("hisparse.kernels.decode_attention_cpu", "PARALLEL_MIN_ROWS"),
+                       ("hisparse.kernels.index_scores_cpu", "PARALLEL_MIN_KEYS"),
+                       ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_SELECTED"),
+                       ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_BYTES"),
+                       ("hisparse.kernels.top_k_cpu", "PARALLEL_MIN_SCORES"))
+
+
+@contextmanager
+def every_loop_parallel():
+    """The CPU kernels take their parallel variants at any size, until the block ends. Process-wide: only for a
+    warm-up, before any other thread runs the kernels."""
+    thresholds = [(importlib.import_module(module), name) for module, name in PARALLEL_THRESHOLDS]
+    saved = [getattr(module, name) for module, name in thresholds]
+    for module, name in thresholds:
+        setattr(module, name, 0)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(thresholds, saved, strict=True):
+            setattr(module, name, value)
 
 
 def warm_up_in_place(engine: LLMEngine) -> bool:
-    """One short request through `engine` itself, then its counters zeroed: a server must not make its first
-    user pay the kernels' compiling (seconds on the first run after an install, a load from numba's cache
-    after that), and a second engine of the same config would need its memory twice. The prompt outgrows the
-    hot buffer, so that the swap-in runs. False (nothing run) when the budget cannot hold such a request."""
+    """One short request through `engine` itself (on the CPU twice: serial and parallel kernel variants), then
+    its counters zeroed: a server must not make its first users pay the kernels' compiling (seconds on the first
+    run after an install, a load from numba's cache after that), and a second engine of the same config would
+    need its memory twice. The prompt outgrows the hot buffer, so that the swap-in runs. False (nothing run) when
+    the budget cannot hold such a request."""
     sparse = engine.config.hisparse_config
     length = (sparse.device_buffer_size if sparse is not None else 0) + 16
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     if length + params.max_tokens > min(engine.cache.capacity_tokens, engine.max_model_len):
         return False
     ids = engine.tokenizer.encode(WARM_UP_TEXT * (length // 8 + 1))[:length]
+    _run_one(engine, ids, params)
+    if torch.device(engine.config.device).type == "cpu":
+        with every_loop_parallel():
+            _run_one(engine, ids, params)
+    engine.reset_stats()
+    return True
+
+
+def _run_one(engine: LLMEngine, ids: list[int], params: SamplingParams) -> None:
     engine.add_request(ids, params)
     while engine.has_unfinished:
         engine.step()
-    engine.reset_stats()
-    return True

@@ -1,12 +1,16 @@
-"""A server's warm-up runs one request through its own engine: the swap-in really runs, and afterwards no
-counter shows it and no memory stays taken, so /metrics starts from the first user request."""
+"""A server's warm-up runs a short request through its own engine, with the serial and then the parallel kernel
+variants: the swap-in really runs, and afterwards no counter shows it and no memory stays taken, so /metrics
+starts from the first user request."""
 
 from __future__ import annotations
+
+import importlib
 
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
-from hisparse.engine.warm_up import warm_up_in_place
+from hisparse.engine.warm_up import PARALLEL_THRESHOLDS, warm_up_in_place
+from hisparse.kernels import swap_in_cpu, top_k_cpu
 
 BUFFER = 48
 
@@ -28,7 +32,7 @@ def test_warm_up_swaps_in_then_leaves_zero_counters_and_free_memory(llama, token
 
     engine.reset_stats = recording_reset
     assert warm_up_in_place(engine)
-    assert seen_before_reset["prompt_tokens"] == BUFFER + 16
+    assert seen_before_reset["prompt_tokens"] == 2 * (BUFFER + 16)  # once with serial kernels, once parallel
     swap_in = seen_before_reset["swap_in"]
     assert swap_in["hits"] + swap_in["misses"] > 0  # the prompt outgrew the hot buffer: the swap-in ran
 
@@ -56,3 +60,20 @@ def test_a_budget_too_small_for_the_warm_up_request_skips_it(llama, tokenizer, m
     monkeypatch.setattr(type(engine.cache), "capacity_tokens", property(lambda self: BUFFER))
     assert not warm_up_in_place(engine)
     assert engine.stats_dict()["steps"] == 0 and not engine.has_unfinished
+
+
+def test_warm_up_runs_the_parallel_variants_and_puts_the_thresholds_back(llama, tokenizer, monkeypatch):
+    engine = hisparse_engine(llama, tokenizer)
+    before = {(module, name): getattr(importlib.import_module(module), name) for module, name in PARALLEL_THRESHOLDS}
+    called = []
+    for module, kernel in ((swap_in_cpu, "_plan_batch_parallel"), (top_k_cpu, "_top_k_parallel")):
+        compiled = getattr(module, kernel)
+
+        def spy(*args, compiled=compiled, kernel=kernel):
+            called.append(kernel)
+            return compiled(*args)
+
+        monkeypatch.setattr(module, kernel, spy)
+    assert warm_up_in_place(engine)
+    assert {"_plan_batch_parallel", "_top_k_parallel"} <= set(called)
+    assert {key: getattr(importlib.import_module(key[0]), key[1]) for key in before} == before
