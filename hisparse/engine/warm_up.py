@@ -1,4 +1,9 @@
-"""Compile (or load from numba's cache) every kernel a decode step runs, before anything is timed."""
+"""Compile (or load from numba's cache) every kernel a decode step runs, before anything is timed or served.
+
+A kernel's serial and parallel variants are compiled separately, and a short request reaches only the serial
+ones, so every warm-up runs its request twice on the CPU: as it comes, then with every parallel threshold at 0
+(`every_loop_parallel`), the variants a batch of 16 first uses.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +17,36 @@ from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.models.tokenizer import Tokenizer
 
-
-def warm_up(config: EngineConfig, model, tokenizer: Tokenizer, prompt: list[int]) -> None:
-    """One short request through a throwaway engine of the same config: on the first run after an install
-    or an edit of a kernel, the first decode step otherwise counts seconds of numba compiling (the swap-in
-    alone ~8 s), in the step and in the swap-in's own seconds. Pass a prompt longer than the hot buffer, so
-    that the swap-in runs; the timed engine's counters are not touched."""
-    engine = LLMEngine(config, model=model, tokenizer=tokenizer)
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished:
-        engine.step()
-
-
+WARM_UP_PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 WARM_UP_TEXT = "The engine compiles its kernels before the first request arrives. "
-# Each compiled CPU kernel's size from which it runs its parallel variant (module, global): a warm-up request is
-# far too small to reach them, so it runs a second time with all of them at 0, and the parallel variants a batch
-# of 16 would first use are compiled (or loaded) before serving too.
+# Each compiled CPU kernel's size from which it runs its parallel variant (module, global).
 PARALLEL_THRESHOLDS = (("hisparse.kernels.decode_attention_cpu", "PARALLEL_MIN_ROWS"),
                        ("hisparse.kernels.index_scores_cpu", "PARALLEL_MIN_KEYS"),
                        ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_SELECTED"),
                        ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_BYTES"),
                        ("hisparse.kernels.top_k_cpu", "PARALLEL_MIN_SCORES"))
+
+
+def warm_up(config: EngineConfig, model, tokenizer: Tokenizer, prompt: list[int]) -> None:
+    """The warm-up through a throwaway engine of the same config: on the first run after an install or an edit
+    of a kernel, the first decode step otherwise counts seconds of numba compiling (the swap-in alone ~8 s), in
+    the step and in the swap-in's own seconds. Pass a prompt longer than the hot buffer, so that the swap-in
+    runs; the timed engine's counters are not touched."""
+    _run_warm_up(LLMEngine(config, model=model, tokenizer=tokenizer), prompt)
+
+
+def warm_up_in_place(engine: LLMEngine) -> bool:
+    """The warm-up through `engine` itself, then its counters zeroed: a server must not make its first users
+    pay the kernels' compiling (seconds on the first run after an install, a load from numba's cache after
+    that), and a second engine of the same config would need its memory twice. The prompt outgrows the hot
+    buffer, so that the swap-in runs. False (nothing run) when the budget cannot hold such a request."""
+    sparse = engine.config.hisparse_config
+    length = (sparse.device_buffer_size if sparse is not None else 0) + 16
+    if length + WARM_UP_PARAMS.max_tokens > min(engine.cache.capacity_tokens, engine.max_model_len):
+        return False
+    _run_warm_up(engine, engine.tokenizer.encode(WARM_UP_TEXT * (length // 8 + 1))[:length])
+    engine.reset_stats()
+    return True
 
 
 @contextmanager
@@ -50,27 +64,14 @@ def every_loop_parallel():
             setattr(module, name, value)
 
 
-def warm_up_in_place(engine: LLMEngine) -> bool:
-    """One short request through `engine` itself (on the CPU twice: serial and parallel kernel variants), then
-    its counters zeroed: a server must not make its first users pay the kernels' compiling (seconds on the first
-    run after an install, a load from numba's cache after that), and a second engine of the same config would
-    need its memory twice. The prompt outgrows the hot buffer, so that the swap-in runs. False (nothing run) when
-    the budget cannot hold such a request."""
-    sparse = engine.config.hisparse_config
-    length = (sparse.device_buffer_size if sparse is not None else 0) + 16
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    if length + params.max_tokens > min(engine.cache.capacity_tokens, engine.max_model_len):
-        return False
-    ids = engine.tokenizer.encode(WARM_UP_TEXT * (length // 8 + 1))[:length]
-    _run_one(engine, ids, params)
-    if torch.device(engine.config.device).type == "cpu":
+def _run_warm_up(engine: LLMEngine, prompt: list[int]) -> None:
+    _run_one(engine, prompt)
+    if torch.device(engine.config.device).type == "cpu":  # the numba kernels run only there
         with every_loop_parallel():
-            _run_one(engine, ids, params)
-    engine.reset_stats()
-    return True
+            _run_one(engine, prompt)
 
 
-def _run_one(engine: LLMEngine, ids: list[int], params: SamplingParams) -> None:
-    engine.add_request(ids, params)
+def _run_one(engine: LLMEngine, prompt: list[int]) -> None:
+    engine.add_request(prompt, WARM_UP_PARAMS)
     while engine.has_unfinished:
         engine.step()

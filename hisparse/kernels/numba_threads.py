@@ -42,6 +42,7 @@ def _load_tbb() -> bool:
 
 
 _chosen: str | None = None
+_on_torch_team = False
 
 
 def choose_threading_layer() -> str:
@@ -49,7 +50,7 @@ def choose_threading_layer() -> str:
     wheel's library loaded too (numba would not find it and fail at the first parallel loop). On torch's team
     it also starts the layer (openmp_runtime.start_shared_team). Decided once per process: every kernel module
     calls this at import, and a later call must not see another package's libgomp and pick again."""
-    global _chosen
+    global _chosen, _on_torch_team
     if _chosen is not None:
         return _chosen
     chosen = os.environ.get("NUMBA_THREADING_LAYER")
@@ -57,6 +58,7 @@ def choose_threading_layer() -> str:
         if openmp_is_shared():
             numba.config.THREADING_LAYER = "omp"
             start_shared_team()
+            _on_torch_team = True
         else:
             numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
     elif chosen == "tbb":
@@ -68,4 +70,5 @@ def choose_threading_layer() -> str:
 def on_torch_team() -> bool:
     """Whether numba's parallel loops run on torch's own OpenMP team: a parallel region is cheaper there than on
     TBB, so the kernels' thresholds for going parallel differ."""
-    return choose_threading_layer() == "omp" and openmp_is_shared()
+    choose_threading_layer()
+    return _on_torch_team

@@ -57,7 +57,7 @@ def test_server_process_serves_and_shuts_down_on_sigterm(tmp_path):
     server.start()
     try:
         wait_ready([server], timeout=120)
-        # the warm-up request ran before /health answered, and /metrics does not count it
+        # the warm-up (tests/engine/test_warm_up.py shows it runs) is not counted in /metrics
         metrics = server.metrics()
         assert metrics["hisparse_engine_steps_total"] == metrics["hisparse_prompt_tokens_total"] == 0
         response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
