@@ -46,6 +46,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("hisparse_generation_tokens", "Tokens generated",
                                   value=stats.get("generated_tokens", 0))
         yield CounterMetricFamily("hisparse_engine_steps", "Engine steps run", value=stats.get("steps", 0))
+        yield CounterMetricFamily("hisparse_engine_step_seconds", "Time in engine steps",
+                                  value=stats.get("step_seconds", 0.0))
         # Their ratio is the engine's own decode step time, to set against the inter-token latency clients see.
         yield CounterMetricFamily("hisparse_engine_decode_steps", "Engine steps that only decoded (no prompt chunk)",
                                   value=stats.get("decode_steps", 0))

@@ -39,6 +39,9 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
         assert 0 < row["ttft_median_s"] <= row["ttft_p99_s"] < row["seconds"]
         assert 0 < row["itl_median_s"] <= row["itl_p99_s"]
         assert 0 < row["decode_step_s"] < row["seconds"]  # every request decodes after its prefill step
+        # every request's prompt is prefilled in the level; the engine's time fits in the level's wall time
+        assert 0 < row["prompt_step_seconds"] and 0 < row["decode_seconds"]
+        assert row["prompt_step_seconds"] + row["decode_seconds"] <= row["seconds"]
         if mode == "hisparse":
             assert row["hits"] + row["misses"] > 0 and 0 < row["hit_rate"] < 1
         else:
@@ -48,6 +51,9 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
     ratio = report["hisparse_vs_baseline"]
     assert set(ratio) == {"1", "3"}
     assert ratio["3"] == pytest.approx(rows["hisparse", 3]["output_tok_s"] / rows["baseline", 3]["output_tok_s"])
+    bound = report["hisparse_vs_baseline_at_most"]
+    assert bound["3"] == pytest.approx(rows["baseline", 3]["seconds"] / rows["hisparse", 3]["prompt_step_seconds"])
+    assert bound["3"] >= ratio["3"]  # a bound the measured ratio obeys
 
     markdown = (tmp_path / "results.md").read_text()
     assert "| 3 | hisparse | 3 |" in markdown and "| 3 | baseline | 1 |" in markdown

@@ -422,6 +422,7 @@ def test_metrics_report_serving_and_memory(server, client):
     # a 3-token completion decodes twice after its prefill step; the engine's own time of those steps
     assert m["hisparse_engine_decode_steps_total"] >= 2 and m["hisparse_engine_decode_seconds_total"] > 0
     assert m["hisparse_engine_steps_total"] >= m["hisparse_engine_decode_steps_total"] + 1
+    assert m["hisparse_engine_step_seconds_total"] > m["hisparse_engine_decode_seconds_total"]  # + the prefill step
     assert m['hisparse_requests_total{finish_reason="length"}'] >= 1
     assert m['hisparse_kv_slots_total{pool="device"}'] > 0 and m['hisparse_kv_slots_used{pool="device"}'] == 0
     assert m['hisparse_requests_rejected_total{status="400"}'] >= 1
