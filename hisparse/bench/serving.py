@@ -15,13 +15,15 @@ reference's 2 x top_k buffer and 8x pool would admit 8: every device slot also p
 keys (68 B per layer each, against 768 B of bfloat16 K/V), and 512 slots per request is 30% of a request.
 (With a float32 K/V cache, twice the bytes per token, a 352-slot buffer and a 5x pool admitted 16.)
 
-Both servers start at once (loading overlaps; an idle server costs the other nothing) and the modes take
-turns level by level, alternating which goes first, so slow phases of a shared machine hit both alike.
-Each level sends `rounds x concurrency` requests (at least `--min-requests`, so that concurrency 1 does
-not rest on a single request) of held-out Python-docs text with at most `concurrency`
-in flight; every request generates exactly `--output-tokens` tokens.
+Both servers start at once (loading overlaps; an idle server costs the other nothing). Each level sends
+`rounds x concurrency` requests (at least `--min-requests`, so that concurrency 1 does not rest on a single
+request) of held-out Python-docs text with at most `concurrency` in flight; every request generates
+exactly `--output-tokens` tokens. The modes take turns round by round (a round is `concurrency` of the
+level's requests), alternating which goes first, so slow phases of a shared machine hit both alike: at
+concurrency 1 each mode's three requests are spread over the level instead of one mode's running while the
+machine was quiet and the other's while it was not (0.89x-1.08x over five runs that took turns by level).
 
-Reported per mode and level: output throughput (generated tokens / wall time of the level), TTFT and ITL
+Reported per mode and level: output throughput (generated tokens / the wall time of its rounds), TTFT and ITL
 (median, p99), the most requests the server actually ran at once (its /metrics gauge, polled), and the
 hit rate over the level (/metrics hit and miss counters), and the engine's time in steps with prompt
 chunks and in decode-only steps: since both modes prefill the same prompts, the first bounds the ratio
@@ -168,6 +170,32 @@ def summarize(mode: str, concurrency: int, run: LevelRun, before: dict, after: d
     }
 
 
+def rounds_of(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
+    """The level's prompts in consecutive rounds of at least `concurrency` each (as many as fit; a remainder
+    joins the last round), so that every round runs at the level's concurrency."""
+    count = max(1, len(prompts) // concurrency)
+    cuts = [len(prompts) * r // count for r in range(count + 1)]
+    return [prompts[cuts[r]:cuts[r + 1]] for r in range(count)]
+
+
+def level_in_turns(servers: dict[str, ServerProcess], model: str, prompts: list[list[int]], max_tokens: int,
+                   concurrency: int, first: int, bar: tqdm, poll_interval: float) -> dict[str, tuple]:
+    """One level on both servers, the modes taking turns round by round (`rounds_of`), which goes first
+    alternating from `first`: at concurrency 1 the three requests of a level are three rounds, so a slow
+    phase of the machine lands on both modes instead of on whichever ran that level second. Returns, per
+    mode, its rounds as one LevelRun (wall times added up) and its server's metrics before and after."""
+    runs: dict[str, list[LevelRun]] = {mode: [] for mode in MODES}
+    before = {mode: servers[mode].metrics() for mode in MODES}
+    for r, chunk in enumerate(rounds_of(prompts, concurrency)):
+        for mode in MODES if (first + r) % 2 == 0 else MODES[::-1]:
+            bar.set_description(f"{mode} c={concurrency}")
+            runs[mode].append(run_level(servers[mode].base_url, model, chunk, max_tokens, concurrency, bar.update,
+                                        poll_interval))
+    return {mode: (LevelRun([x for run in runs[mode] for x in run.results], sum(run.seconds for run in runs[mode]),
+                            max(run.max_running for run in runs[mode])), before[mode], servers[mode].metrics())
+            for mode in MODES}
+
+
 # -- the run ------------------------------------------------------------------------------------------
 
 
@@ -253,13 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
             for i, concurrency in enumerate(levels):
                 prompts = prompts_from(stream, per_level[concurrency], args.prompt_tokens)
-                for mode in MODES if i % 2 == 0 else MODES[::-1]:  # neither mode always runs first
-                    server = servers[mode]
-                    bar.set_description(f"{mode} c={concurrency}")
-                    before = server.metrics()
-                    run = run_level(server.base_url, model, prompts, args.output_tokens, concurrency, bar.update,
-                                    args.poll_interval)
-                    row = summarize(mode, concurrency, run, before, server.metrics())
+                runs = level_in_turns(servers, model, prompts, args.output_tokens, concurrency, first=i % 2,
+                                      bar=bar, poll_interval=args.poll_interval)
+                for mode in MODES:
+                    run, before, after = runs[mode]
+                    row = summarize(mode, concurrency, run, before, after)
                     rows.append(row)
                     bar.write(f"{mode:>8} c={concurrency:<3} {row['output_tok_s']:7.2f} tok/s  max running "
                               f"{row['max_running']}" + (f"  FAILED {row['failed']}: {row['errors'][0]}"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hisparse.bench.serving import main
+from hisparse.bench.serving import main, rounds_of
 from hisparse.layers.indexer import SHIPPED_WEIGHTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHIPPED_WEIGHTS.exists(),
@@ -75,3 +75,15 @@ def test_bad_flags_fail_in_one_line_without_starting_servers(tmp_path, capsys):
         main(["--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}', "--out-dir", str(tmp_path)])
     assert "--hisparse-config" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_rounds_keep_the_level_concurrency():
+    prompts = [[i] for i in range(7)]
+    assert rounds_of(prompts[:3], 1) == [[[0]], [[1]], [[2]]]  # concurrency 1: each request a round of its own
+    assert rounds_of(prompts[:3], 2) == [prompts[:3]]  # a remainder joins the last round: never a round below c
+    assert rounds_of(prompts, 3) == [prompts[:3], prompts[3:]]
+    assert rounds_of(prompts[:2], 4) == [prompts[:2]]  # fewer requests than c: one round
+    for c in range(1, 8):
+        rounds = rounds_of(prompts, c)
+        assert [x for r in rounds for x in r] == prompts
+        assert all(len(r) >= min(c, len(prompts)) for r in rounds)
