@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hisparse.kernels import swap_in_cpu
+from hisparse.kernels.streaming_store import rows_can_stream
 from hisparse.kernels.swap_in import SwapInResult, bound_swap_in, swap_in
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 
@@ -488,20 +489,40 @@ def test_empty_batch_is_a_no_op():
 @example(num_copies=swap_in_cpu._PREFETCH_AHEAD, row_bytes=7, parallel=False, seed=3)
 def test_cpu_row_copy_writes_exactly_the_listed_rows(num_copies, row_bytes, parallel, seed):
     """The prefetching copy (short lists, lists of several parallel chunks, rows not a whole number of
-    cache lines or words) writes each listed destination row with its source row and nothing else."""
+    cache lines or words) writes each listed destination row with its source row and nothing else; a
+    parallel copy of rows of whole lines also with its stores streamed past the caches."""
     rng = np.random.default_rng(seed)
     host = torch.from_numpy(rng.integers(0, 256, (4 * num_copies + 8, row_bytes), dtype=np.uint8))
-    device = torch.from_numpy(rng.integers(0, 256, (2 * num_copies + 8, row_bytes), dtype=np.uint8))
+    device = torch.empty(2 * num_copies + 8, row_bytes, dtype=torch.uint8)  # torch aligns it to 64 bytes
+    device.copy_(torch.from_numpy(rng.integers(0, 256, tuple(device.shape), dtype=np.uint8)))
     src = rng.choice(host.shape[0], num_copies, replace=False).astype(np.int64)
     dst = rng.choice(device.shape[0], num_copies, replace=False).astype(np.int64)
+    initial = device.clone()
     expected = device.clone()
     expected[torch.from_numpy(dst)] = host[torch.from_numpy(src)]
-    words = swap_in_cpu._as_words(host), swap_in_cpu._as_words(device)
+    words = swap_in_cpu._as_words(host), swap_in_cpu._as_words(device)  # views of the tensors' memory
+    assert rows_can_stream(*words) == (row_bytes % 64 == 0)
     if parallel:
-        swap_in_cpu._copy_rows_parallel(*words, src, dst, 2)
+        for streaming in {False, rows_can_stream(*words)}:
+            device.copy_(initial)
+            swap_in_cpu._copy_rows_parallel(*words, src, dst, 2, streaming)
+            assert torch.equal(device, expected), streaming
     else:
         swap_in_cpu._copy_rows_serial(*words, src, dst)
-    assert torch.equal(device, expected)
+        assert torch.equal(device, expected)
+
+
+def test_only_aligned_rows_of_whole_lines_stream():
+    """A non-temporal vector store to an unaligned line faults: rows_can_stream refuses a destination whose
+    rows do not all start on a line, and rows of a fraction of a line or of other word types."""
+    pool = torch.empty(9, 96, dtype=torch.int64).view(torch.uint8)  # 768-byte rows, 64-byte aligned
+    words = swap_in_cpu._as_words(pool)
+    assert rows_can_stream(words, words)
+    assert not rows_can_stream(words, swap_in_cpu._as_words(pool.view(-1)[8:8 + 768 * 8].view(8, 768)))
+    assert not rows_can_stream(words[:, :88], words[:, :88])  # 704 bytes a row: not contiguous rows
+    assert not rows_can_stream(words, words.view(np.uint32))  # rows of other elements
+    half_lines = swap_in_cpu._as_words(torch.empty(4, 40, dtype=torch.uint8))  # 5 words
+    assert not rows_can_stream(half_lines, half_lines)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
