@@ -5,15 +5,18 @@ says what it measured)."""
 from __future__ import annotations
 
 
+def _per_level(rows: list[dict], figure) -> dict[int, float | None]:
+    """concurrency -> figure(HiSparse's row, the baseline's row), at each level both modes ran."""
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    return {concurrency: figure(row, by["baseline", concurrency])
+            for (mode, concurrency), row in sorted(by.items())
+            if mode == "hisparse" and ("baseline", concurrency) in by}
+
+
 def ratios(rows: list[dict]) -> dict[int, float | None]:
     """concurrency -> HiSparse output throughput / baseline output throughput."""
-    by = {(r["mode"], r["concurrency"]): r for r in rows}
-    out = {}
-    for (mode, concurrency), row in sorted(by.items()):
-        base = by.get(("baseline", concurrency))
-        if mode == "hisparse" and base is not None:
-            out[concurrency] = row["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
-    return out
+    return _per_level(rows, lambda hisparse, base: hisparse["output_tok_s"] / base["output_tok_s"]
+                      if base["output_tok_s"] else None)
 
 
 def prefill_bounds(rows: list[dict]) -> dict[int, float | None]:
@@ -21,14 +24,8 @@ def prefill_bounds(rows: list[dict]) -> dict[int, float | None]:
     prompt chunks: its wall time is at least their time, so even with decode-only steps free the ratio is at
     most the baseline's wall time over it. (Both modes prefill the same prompts: the bound says how much of
     the comparison prefill, not the memory hierarchy, decides.)"""
-    by = {(r["mode"], r["concurrency"]): r for r in rows}
-    out = {}
-    for (mode, concurrency), row in sorted(by.items()):
-        base = by.get(("baseline", concurrency))
-        if mode == "hisparse" and base is not None:
-            prompt = row.get("prompt_step_seconds")
-            out[concurrency] = base["seconds"] / prompt if prompt else None
-    return out
+    return _per_level(rows, lambda hisparse, base: base["seconds"] / hisparse["prompt_step_seconds"]
+                      if hisparse.get("prompt_step_seconds") else None)
 
 
 def _by_level(ratio: dict[int, float | None]) -> str:
