@@ -230,6 +230,12 @@ def test_pool_sizing_buys_exactly_one_buffer_and_its_reserved_slot():
         PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell - 1).check("cpu")
 
 
+def test_a_buffer_that_holds_the_whole_context_is_refused():
+    small_pools(max_context=POOL_BUFFER + 1)
+    with pytest.raises(ValueError, match=r"device_buffer_size \(4\) must be below the context of 4 tokens"):
+        small_pools(max_context=POOL_BUFFER)
+
+
 def test_a_request_that_fits_its_buffer_takes_no_reserved_slot():
     pools = small_pools(device_slots=POOL_BUFFER + 1)
     fits = pools.allocate(POOL_BUFFER)  # never outgrows its buffer: no slot for a newest token beyond it
