@@ -274,6 +274,11 @@ def plan_capacity(
         raise PlanError(
             f"device_buffer_size {hisparse.device_buffer_size} is smaller than top_k {hisparse.top_k}"
         )
+    if shape.context_length is not None:
+        try:
+            hisparse.check_context(shape.context_length)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     if hisparse.device_buffer_size < shape.index_topk:
         raise PlanError(
             f"device_buffer_size {hisparse.device_buffer_size} is smaller than the model's "

@@ -87,6 +87,7 @@ def test_hisparse_config_defaults_and_type_errors(capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--hisparse-config", '{"top_k": 2048, "device_buffer_size": 1024}'], "must be >= top_k"),
+    (["--hisparse-config", '{"top_k": 2048, "device_buffer_size": 202751}'], "must be at most 202750 for a context"),
     (["--hisparse-config", '{"top_k": 2048, "buffer": 4096}'], "unknown field 'buffer'"),
     (["--hisparse-config", '{"top_k": "2048"}'], "top_k must be an integer"),
     (["--hisparse-config", "{top_k: 2048}"], "not valid JSON"),

@@ -40,6 +40,16 @@ class HiSparseConfig:
             raise ValueError(f"hisparse_config.eviction_policy must be one of auto, {', '.join(EVICTION_POLICIES)}, "
                              f"got {json.dumps(self.eviction_policy)}")
 
+    def check_context(self, max_context: int) -> None:
+        """ValueError unless a request of `max_context` tokens can outgrow the hot buffer. With the newest
+        token's reserved slot, a buffer of max_context - 1 or more holds a whole request, which then never
+        swaps in and costs at least as much device memory as its K/V without HiSparse."""
+        if self.device_buffer_size + 1 >= max_context:
+            raise ValueError(f"hisparse_config.device_buffer_size ({self.device_buffer_size}) must be at most "
+                             f"{max_context - 2} for a context of {max_context} tokens: with the newest token's "
+                             "reserved slot a larger buffer holds a whole request, which then never swaps in and "
+                             "costs at least as much device memory as its K/V without HiSparse")
+
     def policy_for(self, device: str | torch.device) -> str:
         """The eviction policy to run on `device`; "auto" is lrfu on a GPU and lru on the CPU.
 

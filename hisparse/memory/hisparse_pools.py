@@ -177,10 +177,7 @@ class HiSparsePools:
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
                  config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
                  device: str = "cpu", swap_in_backend: str = "auto") -> None:
-        if config.device_buffer_size >= max_context:
-            raise ValueError(f"hisparse_config.device_buffer_size ({config.device_buffer_size}) must be below the "
-                             f"context of {max_context} tokens: a buffer that holds a whole request never swaps in, "
-                             "and its slots cost more device memory than that request's K/V without HiSparse")
+        config.check_context(max_context)
         self.num_layers = num_layers
         self.config = config
         self.device = device

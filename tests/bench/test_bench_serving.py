@@ -74,6 +74,9 @@ def test_bad_flags_fail_in_one_line_without_starting_servers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--hisparse-config", '{"top_k": 64, "device_buffer_size": 32}', "--out-dir", str(tmp_path)])
     assert "--hisparse-config" in capsys.readouterr().err
+    big_buffer = '{"top_k": 256, "device_buffer_size": 8191, "host_to_device_ratio": 1}'  # never swaps in
+    assert main(["--hisparse-config", big_buffer, "--device-kv-budget", "1GiB", "--out-dir", str(tmp_path)]) == 2
+    assert "device_buffer_size (8191) must be at most 8190" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 

@@ -231,9 +231,10 @@ def test_pool_sizing_buys_exactly_one_buffer_and_its_reserved_slot():
 
 
 def test_a_buffer_that_holds_the_whole_context_is_refused():
-    small_pools(max_context=POOL_BUFFER + 1)
-    with pytest.raises(ValueError, match=r"device_buffer_size \(4\) must be below the context of 4 tokens"):
-        small_pools(max_context=POOL_BUFFER)
+    """With the newest token's reserved slot, a buffer of context - 1 already holds every token."""
+    small_pools(max_context=POOL_BUFFER + 2)
+    with pytest.raises(ValueError, match=r"device_buffer_size \(4\) must be at most 3 for a context of 5 tokens"):
+        small_pools(max_context=POOL_BUFFER + 1)
 
 
 def test_a_request_that_fits_its_buffer_takes_no_reserved_slot():
