@@ -20,6 +20,8 @@ A_FILE = "/proc/version/traces"  # under a file, so never creatable, even by roo
     ({"device_kv_budget": 1}, "buys no token slot"),
     ({"dense_layers": (40,)}, "dense_layers [40] out of range: the model has 30 layers"),
     ({"enable_hisparse": True, "dense_layers": (0,)}, "HiSparse needs a sparse-attention model"),
+    ({"enable_hisparse": True, "hisparse_config": {"device_buffer_size": 8191}},
+     "device_buffer_size (8191) must be at most 8190 for a context of 8192 tokens"),
     ({"topk_trace_dir": A_FILE}, "cannot be created"),
 ])
 def test_a_config_that_cannot_work_is_refused_before_the_weights_load(opened_model, forbid, overrides, words):
