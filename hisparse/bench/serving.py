@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The HiSparse server's own checks of its pools, made before either server starts: a server refusing
         # them exits after some 25 s of loading.
-        PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget).check("cpu")
-        config.check_context(max_context)
+        PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget).check("cpu", max_context)
     except ValueError as error:
         return _fail(str(error))
     max_running = max(levels)

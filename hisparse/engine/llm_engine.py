@@ -53,8 +53,6 @@ class LLMEngine:
         sparse = self._sparse_decode(indexer, mc.num_layers)
         if self.config.enable_hisparse and (sparse is None or sparse.dense_layers):
             raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
-        if self.config.enable_hisparse:  # the pools check it too, but on a GPU with no budget only after the weights
-            self.config.hisparse_config.check_context(self.max_model_len)
         if self.config.topk_trace_dir is not None:  # found unwritable now, not when the first request ends
             try:
                 Path(self.config.topk_trace_dir).mkdir(parents=True, exist_ok=True)

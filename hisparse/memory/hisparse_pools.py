@@ -147,9 +147,11 @@ class PoolSizing:
     def host_bytes(self) -> int:
         return self.num_layers * self.logical_capacity * self.row_bytes
 
-    def check(self, device: str) -> None:
-        """ValueError, naming the fields, unless the budget buys one request's buffer and the pools fit in the
-        memory this machine has (on the CPU the "device" pools are host memory too)."""
+    def check(self, device: str, max_context: int) -> None:
+        """ValueError, naming the fields, unless a request of `max_context` tokens can outgrow the buffer, the
+        budget buys one request's buffer and the pools fit in the memory this machine has (on the CPU the
+        "device" pools are host memory too)."""
+        self.config.check_context(max_context)
         ratio, buffer = self.config.host_to_device_ratio, self.config.device_buffer_size
         if self.device_slots < buffer + 1:
             raise ValueError(f"the device KV budget ({self.budget_bytes} bytes) buys {self.device_slots} hot slots, "
@@ -177,7 +179,6 @@ class HiSparsePools:
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
                  config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
                  device: str = "cpu", swap_in_backend: str = "auto") -> None:
-        config.check_context(max_context)
         self.num_layers = num_layers
         self.config = config
         self.device = device
@@ -185,7 +186,7 @@ class HiSparsePools:
         self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
         self.index_row_bytes = index_key.row_bytes
         sizing = PoolSizing(num_layers, self.row_bytes, self.index_row_bytes, config, budget_bytes)
-        sizing.check(device)
+        sizing.check(device, max_context)
         self.cell_bytes, self.device_slots = sizing.cell_bytes, sizing.device_slots
         self.logical_capacity = sizing.logical_capacity
         buffer = config.device_buffer_size

@@ -225,9 +225,9 @@ def write_context(pools, alloc, length: int) -> None:
 def test_pool_sizing_buys_exactly_one_buffer_and_its_reserved_slot():
     config = HiSparseConfig(top_k=POOL_TOP_K, device_buffer_size=POOL_BUFFER)
     cell = PoolSizing(1, 12, 16, config, 0).cell_bytes
-    PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell).check("cpu")
+    PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell).check("cpu", 16)
     with pytest.raises(ValueError, match="fewer than one request's buffer"):
-        PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell - 1).check("cpu")
+        PoolSizing(1, 12, 16, config, (POOL_BUFFER + 1) * cell - 1).check("cpu", 16)
 
 
 def test_a_buffer_that_holds_the_whole_context_is_refused():
