@@ -27,8 +27,8 @@ from hisparse.engine.engine_config import EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
+from hisparse.formats.kv_layout import KVLayout
 from hisparse.memory.host_memory import check_fits_in_memory
-from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.loader import ModelFiles, load_llama, open_model
 
 PROG = "python -m hisparse.demo"

@@ -94,9 +94,9 @@ class ModelShape:
         + bf16 rope), 1152 / 656 bytes for kv_lora 512 + rope 64."""
         if kv_cache_dtype == "bfloat16":
             return 2 * (self.kv_lora_rank + self.qk_rope_head_dim)
-        if kv_cache_dtype == "fp8":
+        if kv_cache_dtype == "fp8_e4m3":
             return self.kv_lora_rank + 4 * math.ceil(self.kv_lora_rank / 128) + 2 * self.qk_rope_head_dim
-        raise PlanError(f"unknown kv cache dtype {kv_cache_dtype!r} (bfloat16 or fp8)")
+        raise PlanError(f"unknown kv cache dtype {kv_cache_dtype!r} (bfloat16 or fp8_e4m3)")
 
     @property
     def indexer_bytes(self) -> int:
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len", type=positive_int, required=True,
                     help="prompt tokens per request (input + output must fit the model's context)")
     ap.add_argument("--output-len", type=int_in(0), required=True)
-    ap.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8"], default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16")
     ap.add_argument(
         "--hisparse-config",
         default=None,

@@ -16,7 +16,7 @@ end, then the answer. The first `context - tail` tokens run densely once (as a p
 last `tail` tokens run teacher-forced twice over that shared prefix: densely (the dense NLL, the true
 attention for recall and overlap) and sparsely, each query attending to its own indexer top_k of its
 causal past through a mask (the sparse NLL). That is what sparse decode computes token by token: the
-selection is `IndexerKeyCache.select` on keys stored in the weights' `key_format` (int8 for the
+selection is `IndexSelector.select` on keys stored in the weights' `key_format` (int8 for the
 default model), the newest position always included, `dense_layers` dense. The passkey answer runs
 like the engine's greedy decode: the prompt dense (prefill), the answer tokens sparse (decode); it
 counts as retrieved when every answer token is the argmax (= greedy decode writes the number).
@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hisparse.attention.functional import causal_attention
+from hisparse.attention.index_selection import IndexSelector
 from hisparse.cli_args import (
     OneLineParser,
     comma_list,
@@ -53,7 +55,6 @@ from hisparse.cli_args import (
     run_main,
 )
 from hisparse.engine.engine_config import DTYPES, resolve_model_dtype
-from hisparse.layers.attention import causal_attention
 from hisparse.layers.indexer import check_indexer_weights
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
@@ -81,6 +82,7 @@ class ForcedSequenceBackend:
         self.k: list[torch.Tensor | None] = [None] * self.num_layers
         self.v: list[torch.Tensor | None] = [None] * self.num_layers
         self.index = IndexerKeyCache(self.num_layers, max_len, model.indexer_config.key_layout)
+        self.selector = IndexSelector(self.index)
         self.length = 0
         self.sparse = False
         self.oracle = False  # sparse attention over the true top_k instead of the indexer's
@@ -99,7 +101,7 @@ class ForcedSequenceBackend:
         for i in range(0, len(rows), _ROW_CHUNK):
             sl = slice(i, i + _ROW_CHUNK)
             n = len(rows[sl])
-            out.append(self.index.select(layer, index_q[sl], index_w[sl], slots[:n], rows[sl] + 1, self.top_k))
+            out.append(self.selector.select(layer, index_q[sl], index_w[sl], slots[:n], rows[sl] + 1, self.top_k))
         return torch.cat(out)
 
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hisparse.attention.single_sequence import SingleSequenceCache
 from hisparse.cli_args import (
     OneLineParser,
     comma_list,
@@ -50,7 +51,6 @@ from hisparse.cli_args import (
     positive_int,
     run_main,
 )
-from hisparse.layers.attention import SingleSequenceCache
 from hisparse.layers.indexer import (
     IndexerConfig,
     LlamaIndexer,

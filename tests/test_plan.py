@@ -27,9 +27,9 @@ def reference_figures(layers: int, kv: int, idx: int, budget: int, buffer: int, 
 
 @pytest.mark.parametrize("model,kv_dtype,kv_bytes,layers", [
     ("glm-5.1", "bfloat16", 1152, 78),
-    ("glm-5.1", "fp8", 656, 78),
+    ("glm-5.1", "fp8_e4m3", 656, 78),
     ("deepseek-v3.2", "bfloat16", 1152, 61),
-    ("deepseek-v3.2", "fp8", 656, 61),
+    ("deepseek-v3.2", "fp8_e4m3", 656, 61),
 ])
 def test_figures_follow_the_reference_formula(model, kv_dtype, kv_bytes, layers):
     weights_gb, gpu_gb, fraction, tp = 720.0, 141.0, 0.85, 8

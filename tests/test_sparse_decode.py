@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from hisparse import SamplingParams
+from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
-from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.request import Request
 from hisparse.engine.topk_trace import load_topk_trace, save_topk_trace, trace_from_request
-from hisparse.layers.dsa_indexer import IndexKeyFormat
-from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
-from hisparse.memory.rows import split_kv
+from hisparse.formats.forward_batch import ForwardBatch
+from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.formats.kv_layout import KVLayout
+from hisparse.formats.sparse_attention import SparseAttention
 
 HQ, HKV, D, HI, DI = 4, 2, 16, 3, 64
 INDEX_KEY = IndexKeyFormat("int8", DI)
@@ -41,7 +42,7 @@ def _random_step(cache, spans, gen):
 def _cache_with_prompts(prompt_lens, top_k, enabled=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     layout = KVLayout(num_layers=2, num_kv_heads=HKV, head_dim=D)
-    cache = PagedKVCache(layout, 512, D ** -0.5, sparse=SparseDecode(INDEX_KEY, enabled, top_k))
+    cache = PagedKVCache(layout, 512, D ** -0.5, sparse=SparseAttention(INDEX_KEY, enabled, top_k))
     requests = [Request(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in prompt_lens]
     for r in requests:
         cache.admit(r)
@@ -58,11 +59,11 @@ def test_sparse_decode_equals_dense_attention_over_the_selected_positions():
     for layer, t in enumerate(steps):
         for b, r in enumerate(requests):
             length = r.num_prompt_tokens + 1
-            picked = cache.index_cache.select(layer, t["index_q"][b:b + 1], t["index_w"][b:b + 1],
-                                              r.kv.index_slots[None, :length], torch.tensor([length]), 8)[0]
+            picked = cache.selector.select(layer, t["index_q"][b:b + 1], t["index_w"][b:b + 1],
+                                           r.kv.index_slots[None, :length], torch.tensor([length]), 8)[0]
             picked = picked[picked >= 0]
             assert len(picked) == min(8, length) and int(picked[-1]) == length - 1
-            k, v = split_kv(cache.kv[layer][r.kv.slots[picked]], HKV, D)
+            k, v = cache.layout.unpack(cache.kv[layer][r.kv.slots[picked]])
             q = t["q"][b].double()
             for h in range(HQ):
                 weights = torch.softmax(q[h] @ k[:, h // (HQ // HKV)].double().T * D ** -0.5, -1)
@@ -80,9 +81,9 @@ def test_context_within_top_k_is_bitwise_dense():
 
 def test_dense_layers_and_the_off_switch_decode_densely():
     outs = {}
-    for name, sparse in {"off": SparseDecode(INDEX_KEY, False, 4),
-                         "dense_layers": SparseDecode(INDEX_KEY, True, 4, (0, 1)),
-                         "on": SparseDecode(INDEX_KEY, True, 4)}.items():
+    for name, sparse in {"off": SparseAttention(INDEX_KEY, False, 4),
+                         "dense_layers": SparseAttention(INDEX_KEY, True, 4, (0, 1)),
+                         "on": SparseAttention(INDEX_KEY, True, 4)}.items():
         gen = torch.Generator().manual_seed(5)
         cache = PagedKVCache(KVLayout(2, HKV, D), 128, D ** -0.5, sparse=sparse)
         r = Request(list(range(1, 31)), SamplingParams(max_tokens=2))

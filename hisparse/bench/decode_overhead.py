@@ -16,7 +16,7 @@ that no compile lands in a timed step or in the swap-in seconds printed.
 `--policies lru,lrfu` times two HiSparse engines instead, the same config but these eviction policies,
 and prints the second's step time over the first's and each one's hit rate and swap-in seconds.
 `--compare-indexer-kernels` times two baseline engines instead, the first selecting with the indexer's
-PyTorch path (`IndexerKeyCache.past_scores_reference` and `select_reference`), the second with the
+PyTorch path (`IndexSelector.past_scores_reference` and `select_reference`), the second with the
 compiled int8 scorer and top-k (the CPU default).
 """
 
@@ -36,8 +36,8 @@ from hisparse.engine.engine_config import GIB, EngineConfig, resolve_model_dtype
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.warm_up import warm_up
+from hisparse.formats.kv_layout import KVLayout
 from hisparse.memory.eviction import EVICTION_POLICIES
-from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.loader import ModelFiles, load_llama, open_model
 
 PROG = "python -m hisparse.bench.decode_overhead"
@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     engines = {name: LLMEngine(config, model=model, tokenizer=tokenizer) for name, config in configs.items()}
     first, second = engines
     if args.compare_indexer_kernels:
-        index_cache = engines[first].cache.index_cache
-        if not index_cache.compiled_scores:
+        selector = engines[first].cache.selector
+        if not selector.compiled_scores:
             parser.error("this model's indexer keys are not int8 rows on the CPU: no compiled kernels to compare")
-        index_cache.compiled_scores = index_cache.compiled_top_k = False
+        selector.compiled_scores = selector.compiled_top_k = False
     buffer = hisparse.hisparse_config.device_buffer_size
     for config in configs.values():  # a context past the buffer, so that the swap-in compiles too
         warm_up(config, model, tokenizer, prompts[0][:buffer + 16])

@@ -21,8 +21,8 @@ from hisparse.cli_args import OneLineParser, int_in, positive_int, run_main
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.formats.kv_layout import KVLayout
 from hisparse.memory.host_memory import check_fits_in_memory
-from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.config import LlamaConfig
 from hisparse.models.loader import load_llama, open_model
 

@@ -20,9 +20,10 @@ import time
 
 import torch
 
+from hisparse.attention.index_selection import IndexSelector
 from hisparse.bench import MAX_REPEATS
 from hisparse.cli_args import OneLineParser, comma_list, int_in, positive_int, run_main
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.memory.host_memory import check_fits_in_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
@@ -31,14 +32,14 @@ FLUSH_BYTES = 64 << 20  # rewritten before every call, to push the keys out of t
 PROG = "python -m hisparse.bench.index_scores"
 
 
-def time_selection(cache: IndexerKeyCache, batch: int, context: int, heads: int, top_k: int, repeats: int,
+def time_selection(cache: IndexSelector, batch: int, context: int, heads: int, top_k: int, repeats: int,
                    gen: torch.Generator) -> dict[str, float]:
     """Median seconds of the compiled and the PyTorch scores and top-k, and the scores' largest difference
     over the largest score."""
-    spacing = cache.rows.shape[1] // batch
+    spacing = cache.keys.rows.shape[1] // batch
     slots = torch.stack([torch.arange(b * spacing, b * spacing + context) for b in range(batch)])
     lengths = torch.full((batch,), context) - torch.arange(batch)  # the batch's lengths differ a little
-    q = torch.randn(batch, heads, cache.index_dim, generator=gen)
+    q = torch.randn(batch, heads, cache.keys.index_dim, generator=gen)
     w = torch.rand(batch, heads, generator=gen)
     flush = torch.ones(FLUSH_BYTES, dtype=torch.uint8)
     kernels = {"scores": cache._past_scores, "scores_ref": cache.past_scores_reference}
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'batch':>5} {'compiled us':>11} {'torch us':>9} {'ratio':>6} {'max diff':>9} "
           f"{'compiled us':>11} {'torch us':>9} {'ratio':>6}")
     for batch in batches:
-        t = time_selection(cache, batch, args.context, args.heads, args.top_k, args.repeats, gen)
+        t = time_selection(IndexSelector(cache), batch, args.context, args.heads, args.top_k, args.repeats, gen)
         print(f"{batch:>5} {t['scores'] * 1e6:>11.0f} {t['scores_ref'] * 1e6:>9.0f} "
               f"{t['scores'] / t['scores_ref']:>6.2f} {t['worst']:>9.1e} {t['top_k'] * 1e6:>11.0f} "
               f"{t['top_k_ref'] * 1e6:>9.0f} {t['top_k'] / t['top_k_ref']:>6.2f}")

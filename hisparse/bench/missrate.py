@@ -48,11 +48,11 @@ from numba import njit, prange
 from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_dir, positive_int, run_main
 from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
+from hisparse.formats.sparse_attention import TRACE_NEXT_PER_TOP_K
 from hisparse.kernels.numba_threads import choose_threading_layer
 from hisparse.kernels.swap_in_cpu import keep_last_ghosts
 from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, LRFUPolicy, ScoreLRUPolicy
 from hisparse.memory.host_memory import check_fits_in_memory
-from hisparse.memory.paged_kv_cache import TRACE_NEXT_PER_TOP_K
 
 choose_threading_layer()
 

@@ -57,8 +57,8 @@ from hisparse.cli_args import (
     size_flag,
 )
 from hisparse.engine.engine_config import resolve_model_dtype
+from hisparse.formats.kv_layout import KVLayout
 from hisparse.memory.hisparse_pools import PoolSizing
-from hisparse.memory.paged_kv_cache import KVLayout
 from hisparse.models.loader import ModelFiles, open_model
 
 MODES = ("baseline", "hisparse")

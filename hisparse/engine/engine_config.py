@@ -10,7 +10,10 @@ import torch
 
 from hisparse.memory.host_memory import GIB
 
-DTYPES = ("auto", "float32", "bfloat16")  # what `dtype` and `kv_cache_dtype` accept (and their CLI flags)
+DTYPES = ("auto", "float32", "bfloat16")  # what `dtype` accepts (and its CLI flag)
+# What `kv_cache_dtype` accepts: fp8_e4m3 is the DSA models' 656-byte latent layout, as SGLang names it.
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3")
+INDEX_KEY_FORMATS = ("auto", "float32", "int8", "fp8")  # "auto": the model's own (fp8 for DSA)
 
 
 @dataclass
@@ -19,13 +22,14 @@ class EngineConfig:
     device_kv_budget: int | None = None  # bytes of device memory for the KV cache; None = the default
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
-    kv_cache_dtype: str = "auto"  # the K/V cache's rows: auto (the model's dtype), float32 or bfloat16
+    kv_cache_dtype: str = "auto"  # the cache's rows: auto (the model's dtype), float32, bfloat16 or fp8_e4m3
     dtype: str = "auto"  # the model's weights and activations: auto, float32 or bfloat16 (see model_dtype)
     device: str = "cpu"
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
     sparse_attention: bool = True  # decode attends to the indexer's top_k positions; False = dense decode
     top_k: int = 256
     dense_layers: tuple[int, ...] | None = None  # layers that decode densely; None = the indexer's own choice
+    index_key_format: str = "auto"  # how indexer keys are stored: auto (the model's), float32, int8 or fp8
     record_topk: bool = False  # record every request's selected positions per layer per decode step
     topk_trace_dir: str | None = None  # where finished requests' traces are written (<request_id>.npz)
     # HiSparse: full K/V in a host pool, a hot buffer per request on the device, swap-in per decode step.
@@ -58,7 +62,8 @@ class EngineConfig:
         if self.enable_hisparse:
             from hisparse.memory.hisparse_config import HiSparseConfig
 
-            self.hisparse_config = HiSparseConfig.parse(self.hisparse_config, self.top_k)
+            # The buffer is checked against top_k when the model is known: a DSA model's index_topk wins.
+            self.hisparse_config = HiSparseConfig.parse(self.hisparse_config, self.top_k, check_buffer=False)
             self.top_k = self.hisparse_config.top_k
             if not self.sparse_attention:
                 raise ValueError("enable_hisparse needs sparse_attention: dense decode reads every token")
@@ -68,9 +73,10 @@ class EngineConfig:
             raise ValueError("hisparse_config is given but enable_hisparse is off")
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
-        for name in ("kv_cache_dtype", "dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be 'auto', 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("index_key_format", INDEX_KEY_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
 
@@ -83,12 +89,12 @@ class EngineConfig:
         same top_k (a HiSparse config's top_k wins over the engine's)."""
         return dataclasses.replace(self, enable_hisparse=False, hisparse_config=None)
 
-    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The K/V cache's dtype for a model running in `model_dtype`. "auto" stores K/V in the dtype that
-        computed them: a bfloat16 model's K/V lose nothing in a bfloat16 cache, and a float32 cache would only
-        double the bytes every decode step reads and every swap-in copies (batch 16 at 1.5k context: 148 vs
-        176 ms per step without HiSparse, 187 vs 209 ms with it, same run)."""
-        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+    def kv_kind(self, model_dtype: torch.dtype) -> str:
+        """The cache rows' kind for a model running in `model_dtype` (a model's `row_layout` takes it). "auto"
+        stores rows in the dtype that computed them: a bfloat16 model's K/V lose nothing in a bfloat16 cache,
+        and a float32 cache would only double the bytes every decode step reads and every swap-in copies
+        (batch 16 at 1.5k context: 148 vs 176 ms per step without HiSparse, 187 vs 209 ms with it)."""
+        return str(model_dtype).removeprefix("torch.") if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def kv_budget_before_weights(self) -> int | None:
         """The budget when the weights do not decide it (the user's, or the CPU's 1 GiB, since there device

@@ -9,14 +9,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hisparse.attention.hisparse import HiSparseKVCache
+from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.memory.hisparse_cache import HiSparseKVCache
-from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
-from hisparse.models.loader import load_llama, open_model
+from hisparse.formats.kv_layout import RowLayout
+from hisparse.formats.sparse_attention import IndexerSpec, SparseAttention
+from hisparse.models.loader import open_model
 from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -39,18 +41,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None):
         """Everything that can refuse the config (the cache's sizing, the HiSparse checks, the trace folder) runs
         on the model's config before its weights load, so a bad budget costs the seconds of reading the config,
-        not the ten of loading (except on a GPU with no budget given, where what the weights leave decides it)."""
+        not the ten of loading (except on a GPU with no budget given, where what the weights leave decides it).
+        Every registered architecture (`models.loader.ARCHITECTURES`) goes through the same steps."""
         self.config = config or EngineConfig()
         files = None if model is not None and tokenizer is not None else open_model(self.config.model)
+        key_kind = self.config.index_key_format
         if model is not None:
-            mc, indexer = model.config, getattr(model, "indexer_config", None)
-            model_dtype = model.embed_tokens.weight.dtype
-        else:  # what load_llama will build: the shipped indexers on the default model, none on any other
-            mc, indexer = files.config, files.default_indexer_config()
-            model_dtype = self.config.model_dtype
+            mc, indexer, model_dtype = model.config, model.indexer_spec(key_kind), model.dtype
+        else:  # what loading will build (the default model gets its shipped indexers)
+            mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
-        layout = KVLayout.of(mc, self.config.kv_dtype(model_dtype))
-        sparse = self._sparse_decode(indexer, mc.num_layers)
+        layout = mc.row_layout(self.config.kv_kind(model_dtype))
+        sparse = self._sparse_attention(indexer, mc.num_layers)
         if self.config.enable_hisparse and (sparse is None or sparse.dense_layers):
             raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
         if self.config.topk_trace_dir is not None:  # found unwritable now, not when the first request ends
@@ -61,7 +63,7 @@ class LLMEngine:
                                  f"{error.strerror}") from None
         budget = self.config.kv_budget_before_weights()
         self.cache = None if budget is None else self._new_cache(layout, sparse, budget, mc.attention_scale)
-        self.model = model if model is not None else load_llama(files, dtype=model_dtype)
+        self.model = model if model is not None else files.load(model_dtype)
         if self.cache is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.cache = self._new_cache(layout, sparse, self.config.resolved_kv_budget(weight_bytes),
@@ -73,21 +75,25 @@ class LLMEngine:
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
 
-    def _sparse_decode(self, indexer, num_layers: int) -> SparseDecode | None:
-        """Sparse decode settings when the model has lightning indexers (else None: a dense model)."""
+    def _sparse_attention(self, indexer: IndexerSpec | None, num_layers: int) -> SparseAttention | None:
+        """How attention uses the model's lightning indexers (None: a dense model). A model's own top_k (DSA's
+        index_topk) wins over the engine's, as in the reference."""
         if indexer is None:
             return None
         dense = indexer.dense_layers if self.config.dense_layers is None else self.config.dense_layers
         bad = [layer for layer in dense if layer >= num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} out of range: the model has {num_layers} layers")
-        return SparseDecode(indexer.key_layout, self.config.sparse_attention, self.config.top_k, tuple(dense))
+        top_k = self.config.top_k if indexer.top_k is None else indexer.top_k
+        return SparseAttention(indexer.key_format, self.config.sparse_attention, top_k, tuple(dense),
+                               indexer.shared_layers, indexer.sparse_prefill, indexer.select_newest)
 
-    def _new_cache(self, layout: KVLayout, sparse: SparseDecode | None, budget: int, attention_scale: float):
+    def _new_cache(self, layout: RowLayout, sparse: SparseAttention | None, budget: int, attention_scale: float):
         if self.config.enable_hisparse:
-            return HiSparseKVCache(layout, self.config.hisparse_config, budget, sparse.index_key,
-                                   self.config.max_running_requests, self.max_model_len, attention_scale,
-                                   self.config.device, self.config.swap_in_backend)
+            hisparse = self.config.hisparse_config.with_model_top_k(sparse.top_k)
+            return HiSparseKVCache(layout, hisparse, budget, sparse, self.config.max_running_requests,
+                                   self.max_model_len, attention_scale, self.config.device,
+                                   self.config.swap_in_backend)
         return PagedKVCache.from_budget(layout, budget, attention_scale, self.config.device, sparse)
 
     # -- requests -------------------------------------------------------------------------------

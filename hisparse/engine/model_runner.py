@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.sampler import sample
+from hisparse.formats.forward_batch import ForwardBatch
 
 
 class ModelRunner:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from hisparse.engine.forward_batch import ForwardBatch
 from hisparse.engine.request import Request, RequestStatus
+from hisparse.formats.forward_batch import ForwardBatch
 
 
 class CacheManager(Protocol):

@@ -7,7 +7,7 @@ the context length and each layer's selected positions. A trace file (`.npz`) ho
   with -1 (a step whose context is shorter than top_k selects every position, then pads);
 - `next_{i}` (optional): int32 [steps, m], the positions ranked just below the top-k in layer i by the
   indexer's scores at each step, the best first, padded with -1 (score-aware eviction uses them;
-  `SparseDecode.trace_next_ranks` sets m, 4 x top_k by default);
+  `SparseAttention.trace_next_ranks` sets m, 4 x top_k by default);
 - `seq_lens`: int32 [steps], the context length at each step (the newest position is seq_len - 1);
 - `top_k`, `num_layers`, `prompt_len`, `dense_layers` (layers that attended densely; their rows hold
   what the indexer would have picked), `sparse_attention` (whether decode was sparse at all).

@@ -40,8 +40,7 @@ def warm_up_in_place(engine: LLMEngine) -> bool:
     pay the kernels' compiling (seconds on the first run after an install, a load from numba's cache after
     that), and a second engine of the same config would need its memory twice. The prompt outgrows the hot
     buffer, so that the swap-in runs. False (nothing run) when the budget cannot hold such a request."""
-    sparse = engine.config.hisparse_config
-    length = (sparse.device_buffer_size if sparse is not None else 0) + 16
+    length = (engine.cache.config.device_buffer_size if engine.config.enable_hisparse else 0) + 16
     if length + WARM_UP_PARAMS.max_tokens > min(engine.cache.capacity_tokens, engine.max_model_len):
         return False
     _run_warm_up(engine, engine.tokenizer.encode(WARM_UP_TEXT * (length // 8 + 1))[:length])

@@ -8,7 +8,7 @@ float. `python -m hisparse.bench.index_scores` (one layer, 4 heads of 64 dims, 2
 caches flushed before each call; our 2-core machine): 0.24-0.27x the PyTorch path's time at batch 1,
 0.27-0.41x at 4, 0.26-0.29x at 8, 0.30x at 16.
 
-The reference is `IndexerKeyCache.past_scores_reference` (the PyTorch path); the two agree to float32
+The reference is `IndexSelector.past_scores_reference` (the PyTorch path); the two agree to float32
 rounding (the sums run in another order) and exactly on the masks. Summation order is the only freedom
 the compiler gets (no fast-math assumptions about infinities: the masks are infinities).
 """

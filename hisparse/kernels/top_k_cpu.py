@@ -17,7 +17,7 @@ request's length) are never selected: a row with fewer than k others is padded w
 radix sort of those n. k = 256 and n = 512 of 2k positions: 193 / 224 us at batch 8 / 16 against 400 / 763
 us for the top-k plus PyTorch's scatter and sorted `topk` (session script, interleaved calls).
 
-The reference is `IndexerKeyCache.select_reference` (the PyTorch path).
+The reference is `IndexSelector.select_reference` (the PyTorch path).
 """
 
 from __future__ import annotations

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
-from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_scores, select_topk
+from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.layers.dsa_indexer import LightningIndexer
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2_indexer.safetensors"
 
 __all__ = ["IndexerConfig", "LlamaIndexer", "attach_indexers", "check_indexer_weights", "load_indexer_weights",
-           "save_indexer_weights", "index_scores", "select_topk", "SHIPPED_WEIGHTS"]
+           "save_indexer_weights", "SHIPPED_WEIGHTS"]
 
 
 @dataclass
@@ -46,6 +48,12 @@ class IndexerConfig:
     @property
     def key_layout(self) -> IndexKeyFormat:
         return IndexKeyFormat(self.key_format, self.head_dim)
+
+    def spec(self, key_kind: str = "auto") -> IndexerSpec:
+        """These indexers as the engine runs them: at decode only (prefill stays dense), the newest token
+        always selected, keys stored as `key_kind` ("auto": as trained, `key_format`)."""
+        kind = self.key_format if key_kind == "auto" else key_kind
+        return IndexerSpec(IndexKeyFormat(kind, self.head_dim), dense_layers=tuple(self.dense_layers))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -71,7 +79,7 @@ class LlamaIndexer(LightningIndexer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [N, hidden]; cos/sin [N, model_head_dim / 2] -> q [N, H, d], k [N, d], w [N, H] (fp32).
 
-        w carries both 1/sqrt(H) and the 1/sqrt(d) score scale, so I = index_scores(q, w, k). A bfloat16
+        w carries both 1/sqrt(H) and the 1/sqrt(d) score scale, so I = sum_h w_h ReLU(q_h . k). A bfloat16
         model's activations are widened first: the indexer runs in float32.
         """
         x, cos, sin = x.float(), cos.float(), sin.float()

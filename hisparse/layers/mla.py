@@ -13,50 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hisparse.layers import fp8
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import apply_rope_interleaved
 
-LATENT_KINDS = ("float32", "bfloat16", "fp8")
-_QUERY_CHUNK = 256  # bounds the [chunk, heads, context] score tensor of a long prefill
-
-
-class LatentFormat:
-    """How one latent row is stored: float32 (exact, for parity tests), bfloat16 (1152 bytes for
-    DSA) or the FP8 sparse layout (656 bytes). Rows are always uint8 so that a memory hierarchy can
-    copy them host<->device without knowing the format."""
-
-    def __init__(self, kind: str, kv_lora_rank: int = 512, rope_dim: int = 64) -> None:
-        if kind not in LATENT_KINDS:
-            raise ValueError(f"unknown latent format {kind!r}; expected one of {LATENT_KINDS}")
-        self.kind = kind
-        self.kv_lora_rank = kv_lora_rank
-        self.rope_dim = rope_dim
-        width = kv_lora_rank + rope_dim
-        if kind == "float32":
-            self.row_bytes = 4 * width
-        elif kind == "bfloat16":
-            self.row_bytes = 2 * width
-        else:
-            self.row_bytes = fp8.mla_fp8_row_bytes(kv_lora_rank, rope_dim)
-
-    def pack(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent [N, kv_lora_rank + rope_dim] -> uint8 [N, row_bytes]."""
-        if self.kind == "fp8":
-            return fp8.pack_mla_fp8(latent, self.kv_lora_rank)
-        dtype = torch.float32 if self.kind == "float32" else torch.bfloat16
-        return latent.to(dtype).contiguous().view(torch.uint8)
-
-    def unpack(self, rows: torch.Tensor) -> torch.Tensor:
-        """uint8 [..., row_bytes] -> float32 [..., kv_lora_rank + rope_dim]."""
-        if self.kind == "fp8":
-            return fp8.unpack_mla_fp8(rows, self.kv_lora_rank)
-        dtype = torch.float32 if self.kind == "float32" else torch.bfloat16
-        return rows.contiguous().view(dtype).float()
-
 
 class MultiHeadLatentAttention(nn.Module):
-    """MLA projections with DeepSeek's weight names; the attention itself is in the functions below.
+    """MLA projections with DeepSeek's weight names; the attention itself is the backend's, over latent rows.
 
     `softmax_scale` is passed in because YaRN checkpoints fold mscale^2 into it.
     """
@@ -107,37 +69,3 @@ class MultiHeadLatentAttention(nn.Module):
         w_uv = self._w_kv_b()[:, self.qk_nope_head_dim:]
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv.float())
         return self.o_proj(o.reshape(o.shape[0], -1).to(dtype))
-
-
-def sparse_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
-                         softmax_scale: float) -> torch.Tensor:
-    """Attention of each query over its own gathered latent rows (the sparse decode step).
-
-    q_lat [T, H, C], q_pe [T, H, R], rows [T, K, C + R] gathered through the page table,
-    valid [T, K] (False for padding). Returns o_lat [T, H, C] in float32.
-    """
-    c = q_lat.shape[-1]
-    rows = rows.float()
-    scores = (torch.einsum("thc,tkc->thk", q_lat.float(), rows[..., :c])
-              + torch.einsum("thr,tkr->thk", q_pe.float(), rows[..., c:])) * softmax_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.einsum("thk,tkc->thc", scores.softmax(dim=-1), rows[..., :c])
-
-
-def masked_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor,
-                         softmax_scale: float) -> torch.Tensor:
-    """Attention of many queries over one shared run of latent rows with a boolean mask (prefill).
-
-    rows [S, C + R] are the context's rows in position order, allowed [T, S]. Same result as
-    `sparse_mla_attention` on the allowed rows; cheaper when queries share most of their rows.
-    """
-    c = q_lat.shape[-1]
-    rows = rows.float()
-    out = []
-    for start in range(0, q_lat.shape[0], _QUERY_CHUNK):
-        sl = slice(start, start + _QUERY_CHUNK)
-        scores = (torch.einsum("thc,sc->ths", q_lat[sl].float(), rows[:, :c])
-                  + torch.einsum("thr,sr->ths", q_pe[sl].float(), rows[:, c:])) * softmax_scale
-        scores = scores.masked_fill(~allowed[sl, None, :], float("-inf"))
-        out.append(torch.einsum("ths,sc->thc", scores.softmax(dim=-1), rows[:, :c]))
-    return torch.cat(out)

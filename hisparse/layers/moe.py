@@ -67,13 +67,23 @@ class MoE(nn.Module):
                                if n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]. Loops over the experts that were hit: the plain, obviously-correct form."""
-        weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, y)
+        """x [N, hidden]. The (token, expert) pairs are grouped by expert with one sort, so each expert that
+        was hit runs once, on all of its tokens of the step; the weighted outputs are summed back per token
+        in expert order."""
+        weights, ids = self.gate(x)  # [N, k] each
+        k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)
+        token = order // k
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        grouped = x[token]
+        y = torch.empty_like(grouped)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                y[start:start + n] = expert(grouped[start:start + n])
+                start += n
+        y = y * weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 
 import torch
 
@@ -21,8 +22,11 @@ class HiSparseConfig:
     # steps, 49-50% over 1024 (8 requests of each of two texts; hisparse.bench_missrate). "lru" keeps the
     # reference system's exact semantics.
     eviction_policy: str = "auto"
+    # False: the top_k may still be the model's (DSA's index_topk wins), so the buffer is checked against it
+    # later (`with_model_top_k`), not against the engine's.
+    check_buffer: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_buffer: bool = True) -> None:
         for name in ("top_k", "device_buffer_size", "host_to_device_ratio"):
             value = getattr(self, name)
             if value is None and name == "device_buffer_size":
@@ -31,14 +35,26 @@ class HiSparseConfig:
                 raise ValueError(f"hisparse_config.{name} must be an integer, got {json.dumps(value)}")
             if value < 1:
                 raise ValueError(f"hisparse_config.{name} must be >= 1, got {value}")
+        # Whether the buffer is the default, 2 x top_k, which follows a model's own top_k (`with_model_top_k`).
+        # Not a field: the JSON and `asdict` carry only what a user sets.
+        object.__setattr__(self, "buffer_from_top_k", self.device_buffer_size is None)
         if self.device_buffer_size is None:
             object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
-        if self.device_buffer_size < self.top_k:
+        if check_buffer and self.device_buffer_size < self.top_k:
             raise ValueError(f"hisparse_config.device_buffer_size ({self.device_buffer_size}) must be >= "
                              f"top_k ({self.top_k}): every selected token needs a hot slot")
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in ("auto", *EVICTION_POLICIES):
             raise ValueError(f"hisparse_config.eviction_policy must be one of auto, {', '.join(EVICTION_POLICIES)}, "
                              f"got {json.dumps(self.eviction_policy)}")
+
+    def with_model_top_k(self, top_k: int) -> HiSparseConfig:
+        """This config for a model with its own top_k (DSA's index_topk), which wins as in the reference: a
+        buffer left to its default follows it (2 x top_k), a buffer given must still hold it."""
+        buffer = None if self.buffer_from_top_k else self.device_buffer_size
+        if buffer is not None and buffer < top_k:
+            raise ValueError(f"hisparse_config.device_buffer_size ({buffer}) must be >= top_k ({top_k}, the "
+                             "model's own index_topk where it has one): every selected token needs a hot slot")
+        return dataclasses.replace(self, top_k=top_k, device_buffer_size=buffer)
 
     def check_context(self, max_context: int) -> None:
         """ValueError unless a request of `max_context` tokens can outgrow the hot buffer. With the newest
@@ -68,8 +84,11 @@ class HiSparseConfig:
         return "lrfu" if torch.device(device).type == "cuda" else "lru"
 
     @classmethod
-    def parse(cls, value: str | dict | HiSparseConfig | None, default_top_k: int = 256) -> HiSparseConfig:
-        """Accept the JSON text of the CLI flag, a dict from the Python API, or a config."""
+    def parse(cls, value: str | dict | HiSparseConfig | None, default_top_k: int = 256,
+              check_buffer: bool = True) -> HiSparseConfig:
+        """Accept the JSON text of the CLI flag, a dict from the Python API, or a config. check_buffer False
+        leaves the buffer against a top_k the value does not give to `with_model_top_k`, once the model is
+        known."""
         if isinstance(value, HiSparseConfig):
             return value
         if value is None or value == "":
@@ -87,4 +106,5 @@ class HiSparseConfig:
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ValueError(f"hisparse_config has an unknown field {unknown[0]!r} (known: {', '.join(known)})")
-        return cls(**{"top_k": default_top_k, **raw})
+        # A top_k the user wrote is theirs to match, whatever the model's turns out to be.
+        return cls(**{"top_k": default_top_k, **raw}, check_buffer=check_buffer or "top_k" in raw)

@@ -1,9 +1,9 @@
 """The HiSparse memory hierarchy for any kind of token row: host pool, device hot buffers, indexer keys.
 
 A row is what one token caches in one layer, and nothing here looks inside one: for the default model it
-is the K and V of every KV head (`hisparse_cache.HiSparseKVCache`), for the DSA models the packed MLA
-latent, bf16 or the FP8 layout, as uint8 bytes (`hisparse_latent_cache.HiSparseLatentCache`). Swap-in
-copies rows as raw machine words, so both ride the same kernels.
+is the K and V of every KV head, for the DSA models the packed MLA latent, bf16 or the FP8 layout, as
+uint8 bytes (the cache's `formats.kv_layout.RowLayout`; `attention.hisparse.HiSparseKVCache` is the one
+cache over these pools). Swap-in copies rows as raw machine words, so both ride the same kernels.
 
 Per request the device holds `device_buffer_size` hot slots per layer plus one reserved slot for the
 newest token (written by the forward pass, never evicted), and the lightning indexer's key for every
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.kernels.swap_in import bound_swap_in
-from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.host_memory import GIB, available_host_memory, host_empty

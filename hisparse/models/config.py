@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from hisparse.formats.kv_layout import KVLayout
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -43,3 +47,10 @@ class LlamaConfig:
     def kv_row_size(self) -> int:
         """Values per token per layer in the KV cache: one row holds the token's K then its V."""
         return 2 * self.kv_size
+
+    def row_layout(self, kind: str) -> KVLayout:
+        """The cache's K/V rows: kind float32 or bfloat16."""
+        if kind not in ("float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype {kind!r} is not a K/V layout of a Llama model: float32 or bfloat16 "
+                             "(fp8_e4m3 is the DSA models' latent layout)")
+        return KVLayout.of(self, getattr(torch, kind))

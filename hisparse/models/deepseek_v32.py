@@ -3,12 +3,11 @@
 in the RoPE layout of the indexer (half-split in DeepSeek-V3.2, interleaved in GLM-5) and in GLM's
 optional "shared" layers that reuse the previous layer's top-k instead of running an indexer.
 
-The engine drives one sequence at a time through `forward(input_ids, positions, cache)`:
-- prefill: all prompt tokens at once (T > 1); attention reads the whole context through the
-  page table with the indexer's selection as a mask;
-- decode: one token (T = 1); per layer the indexer picks top-k positions, `cache.locate` maps them
-  to slots (the swap-in hook of a memory hierarchy) and attention reads exactly those rows.
-Per token per layer the cache keeps one contiguous latent row (c_kv + k_pe) and one indexer key row.
+`forward` takes the engine's flat batch (prompt chunks and decode tokens of many requests) and one
+attention backend, as every model here does. Each layer hands the backend its absorbed MLA query
+(q_nope W_UK, then q_pe) and its latent row (c_kv + k_pe) as the single K head, with its indexer's
+query, key and head weights; the backend selects each query's top-k (in prefill too: DSA attends
+sparsely from the first token) and attends over those latent rows, wherever the cache keeps them.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hisparse.layers.dsa_indexer import IndexKeyFormat, LightningIndexer, index_scores, select_runners_up, select_topk
-from hisparse.layers.mla import (
-    LatentFormat,
-    MultiHeadLatentAttention,
-    masked_mla_attention,
-    sparse_mla_attention,
-)
+from hisparse.attention.backend import AttentionBackend
+from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.formats.latent import LatentFormat, LatentLayout
+from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.layers.dsa_indexer import LightningIndexer
+from hisparse.layers.mla import MultiHeadLatentAttention
 from hisparse.layers.moe import MoE, SwiGLU, TopkRouter
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import RotaryEmbedding, yarn_get_mscale, yarn_inv_freq
@@ -124,6 +122,31 @@ class DsaConfig:
         )
 
     @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def attention_scale(self) -> float:
+        return self.softmax_scale
+
+    def row_layout(self, kind: str) -> LatentLayout:
+        """The cache's latent rows: kind float32 (exact, for parity), bfloat16 (1152 bytes at DSA's shape)
+        or fp8_e4m3 (the 656-byte FP8 layout)."""
+        latent_kind = {"float32": "float32", "bfloat16": "bfloat16", "fp8_e4m3": "fp8"}.get(kind)
+        if latent_kind is None:
+            raise ValueError(f"kv_cache_dtype {kind!r} is not a latent layout: float32, bfloat16 or fp8_e4m3")
+        return LatentLayout(self.num_hidden_layers, LatentFormat(latent_kind, self.kv_lora_rank, self.qk_rope_head_dim))
+
+    def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec:
+        """The indexers as the reference runs them: the model's index_topk, in prefill as in decode, keys in
+        the FP8 layout ("auto": 132 bytes at 128 dims; `key_kind` float32 scores exactly, as transformers
+        does)."""
+        key_kind = "fp8" if key_kind == "auto" else key_kind
+        shared = tuple(i for i, kind in enumerate(self.indexer_types) if kind == "shared")
+        return IndexerSpec(IndexKeyFormat(key_kind, self.index_head_dim), top_k=self.index_topk,
+                           shared_layers=shared, sparse_prefill=True, select_newest=False)
+
+    @property
     def softmax_scale(self) -> float:
         """1/sqrt(qk_head_dim), times mscale(all_dim)^2 under YaRN."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
@@ -182,75 +205,6 @@ def _indexer_types(cfg: dict, layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
-class LatentCache:
-    """The KV cache of one sequence, as rows.
-
-    latent[layer] is a pool of slots of `latent_format.row_bytes`; `page_table[position]` is the slot
-    where a token's row is written. index_k[layer] is indexed by position: the indexer must score
-    every past token, so its keys stay resident. `locate` is where a memory hierarchy plugs in: it
-    returns the slots holding the requested positions, swapping rows in first if it has to
-    (`hisparse.memory.hisparse_latent_cache.HiSparseLatentSequence` has this interface over HiSparse).
-    """
-
-    num_next_ranks = 0  # runners-up `locate` wants with a decode step's selection (a hierarchy's policy may)
-
-    def __init__(self, num_layers: int, capacity: int, latent_format: LatentFormat,
-                 index_format: IndexKeyFormat, device: torch.device | str = "cpu") -> None:
-        self.latent_format = latent_format
-        self.index_format = index_format
-        self.capacity = capacity
-        rows = dict(dtype=torch.uint8, device=device)
-        self.latent = torch.zeros(num_layers, capacity, latent_format.row_bytes, **rows)
-        self.index_k = torch.zeros(num_layers, capacity, index_format.row_bytes, **rows)
-        self.page_table = torch.arange(capacity, device=device)
-        self.seq_len = 0
-
-    def extend(self, positions: torch.Tensor) -> None:
-        end = int(positions.max()) + 1
-        if end > self.capacity:
-            raise ValueError(f"position {end - 1} does not fit a cache of {self.capacity} tokens")
-        if int(positions.min()) > self.seq_len:
-            raise ValueError(f"positions start at {int(positions.min())} "
-                             f"but the cache holds {self.seq_len} tokens")
-        self.seq_len = max(self.seq_len, end)
-
-    def write(self, layer: int, positions: torch.Tensor, latent: torch.Tensor,
-              index_k: torch.Tensor | None) -> None:
-        self.latent[layer, self.page_table[positions]] = self.latent_format.pack(latent)
-        if index_k is not None:
-            self.index_k[layer, positions] = self.index_format.pack(index_k)
-
-    def locate(self, layer: int, positions: torch.Tensor, runners_up: torch.Tensor | None = None) -> torch.Tensor:
-        """Slots of `positions` (any shape, -1 = padding, kept as -1) in latent[layer]. `runners_up`: the
-        positions ranked just below a decode step's selection, when `num_next_ranks` asks for them."""
-        return torch.where(positions >= 0, self.page_table[positions.clamp_min(0)], positions)
-
-    def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """float32 latent rows of `slots` (-1 reads slot 0; the caller masks it)."""
-        return self.latent_format.unpack(self.latent[layer, slots.clamp_min(0)])
-
-    def read_index_k(self, layer: int, length: int) -> torch.Tensor:
-        return self.index_format.unpack(self.index_k[layer, :length])
-
-
-@dataclass
-class DsaTrace:
-    """What the indexer did in one forward, per layer: selected positions [T, K] and the scores [T, S]
-    (None on GLM's shared layers, which reuse the previous layer's selection)."""
-
-    selections: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor | None] = field(default_factory=list)
-
-
-@dataclass
-class IndexerChoice:
-    """What a layer's indexer chose: the selected positions [T, K], and for a one-token forward whose cache
-    asks for them (`num_next_ranks`), the runners-up [1, M]; GLM's shared layers reuse the previous one."""
-
-    selection: torch.Tensor
-    runners_up: torch.Tensor | None = None
-
-
 class DsaAttention(MultiHeadLatentAttention):
     def __init__(self, cfg: DsaConfig, layer_idx: int) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
@@ -262,44 +216,17 @@ class DsaAttention(MultiHeadLatentAttention):
                                             cfg.index_head_dim, cfg.qk_rope_head_dim,
                                             cfg.indexer_rope_interleaved, cfg.index_topk)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache, prev_choice: IndexerChoice | None, trace: DsaTrace | None
-                ) -> tuple[torch.Tensor, IndexerChoice]:
-        layer = self.layer_idx
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
-        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
-        cache.write(layer, positions, self.project_latent(x, cos, sin), idx_k)
-        context = cache.seq_len
-
-        scores = None
-        if self.indexer is not None:
-            q_idx = cache.index_format.prepare_query(self.indexer.queries(q_resid, cos, sin))
-            scores = index_scores(q_idx, self.indexer.head_weights(x), cache.read_index_k(layer, context))
-            selection = select_topk(scores, positions, self.indexer.top_k)
-            num_next = cache.num_next_ranks if x.shape[0] == 1 else 0
-            runners_up = select_runners_up(scores, positions, selection, num_next) if num_next else None
-            choice = IndexerChoice(selection, runners_up)
-        elif prev_choice is None:
-            raise ValueError(f"layer {layer} shares the top-k of a previous layer but none ran an indexer")
-        else:
-            choice = prev_choice
-            selection = choice.selection
-        if trace is not None:
-            trace.selections.append(selection)
-            trace.scores.append(scores)
-
-        q_lat = self.absorb_q(q_nope)
-        if x.shape[0] == 1:
-            rows = cache.read_latent(layer, cache.locate(layer, selection, choice.runners_up))
-            o_lat = sparse_mla_attention(q_lat, q_pe, rows, selection >= 0, self.softmax_scale)
-        else:
-            rows = cache.read_latent(layer, cache.locate(layer, torch.arange(context, device=x.device)))
-            # Padding (-1) scatters into a spare last column, which is then dropped.
-            allowed = torch.zeros(x.shape[0], context + 1, dtype=torch.bool, device=x.device)
-            allowed.scatter_(1, torch.where(selection >= 0, selection, context), True)
-            allowed = allowed[:, :context]
-            o_lat = masked_mla_attention(q_lat, q_pe, rows, allowed, self.softmax_scale)
-        return self.output(o_lat, x.dtype), choice
+        index = {}
+        if self.indexer is not None:  # GLM's shared layers have none: the backend reuses the last top-k
+            index = {"index_q": self.indexer.queries(q_resid, cos, sin), "index_k": self.indexer.keys(x, cos, sin),
+                     "index_w": self.indexer.head_weights(x)}
+        q = torch.cat([self.absorb_q(q_nope), q_pe.float()], dim=-1)  # [T, H, kv_lora_rank + rope]
+        latent = self.project_latent(x, cos, sin).unsqueeze(1)  # [T, 1, kv_lora_rank + rope]: the one K head
+        o_lat = backend.attend(self.layer_idx, q, latent, None, **index)
+        return self.output(o_lat.float(), x.dtype)
 
 
 class DsaDecoderLayer(nn.Module):
@@ -316,12 +243,10 @@ class DsaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache, prev_choice: IndexerChoice | None, trace: DsaTrace | None
-                ) -> tuple[torch.Tensor, IndexerChoice]:
-        attn, choice = self.self_attn(self.input_layernorm(h), positions, cos, sin, cache, prev_choice, trace)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), choice
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DsaModel(nn.Module):
@@ -346,29 +271,25 @@ class DsaForCausalLM(nn.Module):
             self._rotary = self.config.rotary()
         return self._rotary
 
-    def new_cache(self, capacity: int, latent_kind: str = "bfloat16", index_kind: str = "fp8",
-                  device: torch.device | str = "cpu") -> LatentCache:
-        cfg = self.config
-        return LatentCache(cfg.num_hidden_layers, capacity,
-                           LatentFormat(latent_kind, cfg.kv_lora_rank, cfg.qk_rope_head_dim),
-                           IndexKeyFormat(index_kind, cfg.index_head_dim), device)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec:
+        return self.config.indexer_spec(key_kind)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache, *,
-                last_only: bool = False, trace: DsaTrace | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] of one sequence; positions must continue the cache (no gaps).
-        Returns logits [T, vocab] (or [1, vocab] with last_only) in float32."""
-        cache.extend(positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
         cos, sin = self.rotary.cos_sin(positions.cpu())
         cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
         h = self.model.embed_tokens(input_ids)
-        choice = None
         for layer in self.model.layers:
-            h, choice = layer(h, positions, cos, sin, cache, choice, trace)
-        h = self.model.norm(h)
-        if last_only:
-            h = h[-1:]
-        return self.lm_head(h).float()
+            h = layer(h, cos, sin, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
 
 def _fp32_name(name: str) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hisparse.layers.fp8 import WEIGHT_BLOCK, block_dequant
+from hisparse.formats.fp8 import WEIGHT_BLOCK, block_dequant
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hisparse.layers.attention import AttentionBackend
+from hisparse.attention.backend import AttentionBackend
+from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import RotaryEmbedding, apply_rope_half
 from hisparse.models.config import LlamaConfig
@@ -129,6 +130,15 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_scale(self) -> float:
         return self.config.attention_scale
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec | None:
+        """The attached lightning indexers as the engine runs them; None for a dense model."""
+        config = getattr(self, "indexer_config", None)
+        return None if config is None else config.spec(key_kind)
 
     def prepare_for_inference(self) -> None:
         """Fused, transposed weights (see the module docstring). In float32 the LM head gets its own

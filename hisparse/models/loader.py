@@ -1,13 +1,23 @@
-"""Build a model from a path: a GGUF file, a Hugging Face directory, or nothing (the default model)."""
+"""Build a model from a path: a GGUF file, a Hugging Face directory, or nothing (the default model).
+
+`ARCHITECTURES` is the registry: the `architectures` name of a config.json (a GGUF file's architecture maps
+onto one too) -> how to read its config and load its weights. Everything else about a model (its cache rows,
+its indexers) the engine asks the config and the model, the same way for every architecture.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.models.config import LlamaConfig
+from hisparse.models.deepseek_v32 import DsaConfig, load_dsa_model
 from hisparse.models.default_model import default_model_path
 from hisparse.models.gguf_loader import load_gguf
 from hisparse.models.llama import LlamaForCausalLM
@@ -48,19 +58,39 @@ class ModelFiles:
     so that the engine can refuse a budget or a HiSparse config before it spends seconds on the weights.
     """
 
-    def __init__(self, path: Path, config: LlamaConfig, reader=None) -> None:
+    def __init__(self, path: Path, config: LlamaConfig | DsaConfig, reader=None,
+                 architecture: str = "LlamaForCausalLM") -> None:
         self.path = path
         self.config = config
         self.reader = reader  # the GGUF file's reader; None for a Hugging Face folder
+        self.architecture = architecture
         self._tokenizer = None
+
+    def load(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The model in eval mode, its weights in `dtype`, as its architecture's loader builds it."""
+        return ARCHITECTURES[self.architecture].load(self, dtype)
+
+    def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec | None:
+        """The model's lightning indexers as the engine will run them (None: a dense model), from the files'
+        metadata alone. key_kind: how their keys are stored, "auto" for the model's own choice."""
+        if isinstance(self.config, DsaConfig):
+            return self.config.indexer_spec(key_kind)
+        shipped = self.default_indexer_config()
+        return None if shipped is None else shipped.spec(key_kind)
 
     def tokenizer(self):
         """Built on first use and kept: it is immutable, so engines on the same files can share it."""
         if self._tokenizer is None:
             from hisparse.models.tokenizer import Tokenizer
 
-            self._tokenizer = (Tokenizer.from_gguf(self.reader) if self.reader is not None
-                               else Tokenizer.from_hf_dir(self.path))
+            if self.reader is not None:
+                self._tokenizer = Tokenizer.from_gguf(self.reader)
+            else:
+                try:
+                    self._tokenizer = Tokenizer.from_hf_dir(self.path)
+                except FileNotFoundError as error:
+                    raise ValueError(f"model directory '{self.path}' has no tokenizer ({error}): write one beside "
+                                     "the weights (tokenizer.json, tokenizer_config.json)") from None
         return self._tokenizer
 
     def default_indexer_weights(self) -> Path | None:
@@ -80,12 +110,18 @@ class ModelFiles:
 
 
 def open_model(model: str | Path | ModelFiles | None = None) -> ModelFiles:
-    """A GGUF file, a Hugging Face Llama folder, or None for the default model, opened for `load_llama`."""
+    """A GGUF file, a Hugging Face folder of a registered architecture, or None for the default model."""
     if isinstance(model, ModelFiles):
         return model
     path = resolve_model_path(model)
     if path.is_dir():
-        return ModelFiles(path, _hf_config(path))
+        cfg = _read_hf_config(path)
+        name = architecture_of(cfg, path)
+        try:
+            config = ARCHITECTURES[name].read_config(cfg)
+        except KeyError as missing:
+            raise ValueError(f"'{path}/config.json' lacks the field {missing.args[0]!r} that {name} needs") from None
+        return ModelFiles(path, config, architecture=name)
     import gguf
 
     from hisparse.models.gguf_loader import read_config
@@ -94,17 +130,32 @@ def open_model(model: str | Path | ModelFiles | None = None) -> ModelFiles:
     return ModelFiles(path, read_config(reader), reader)
 
 
-def read_model_config(model: str | Path | None = None) -> LlamaConfig:
+def read_model_config(model: str | Path | None = None) -> LlamaConfig | DsaConfig:
     """The model's config without its weights (GGUF metadata or config.json): what a command needs to check
     its flags (a prompt longer than the context) before spending seconds on loading."""
     return open_model(model).config
 
 
-def _hf_config(folder: Path) -> LlamaConfig:
-    cfg = json.loads((folder / "config.json").read_text())
+def _read_hf_config(folder: Path) -> dict:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"'{folder}/config.json' is not valid JSON: {error.msg} at line {error.lineno}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"'{folder}/config.json' is not a JSON object")
+    return cfg
+
+
+def architecture_of(cfg: dict, folder: Path) -> str:
+    """The registered architecture a config.json names, or a ValueError listing the ones served."""
     archs = cfg.get("architectures") or []
-    if "LlamaForCausalLM" not in archs:
-        raise ValueError(f"'{folder}' is {archs}; this loader reads LlamaForCausalLM directories")
+    name = next((a for a in archs if a in ARCHITECTURES), None)
+    if name is None:
+        raise ValueError(f"'{folder}' is {archs}; the engine serves {', '.join(ARCHITECTURES)}")
+    return name
+
+
+def _llama_config(cfg: dict) -> LlamaConfig:
     heads = cfg["num_attention_heads"]
     return LlamaConfig(
         vocab_size=cfg["vocab_size"],
@@ -126,7 +177,7 @@ def _hf_config(folder: Path) -> LlamaConfig:
 def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    config = _hf_config(folder)
+    config = _llama_config(_read_hf_config(folder))
     state: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -162,6 +213,8 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
         raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
     files = open_model(model)
     path = files.path
+    if files.architecture != "LlamaForCausalLM":
+        raise ValueError(f"'{path}' is {files.architecture}, not a Llama model: load it with ModelFiles.load")
     config, state = load_gguf(files.reader) if files.reader is not None else load_hf_llama(path)
     with torch.device("meta"):
         net = LlamaForCausalLM(config)
@@ -189,3 +242,26 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
         else:
             load_indexer_weights(net, indexer)
     return net
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One registered architecture: its config from config.json, its model from the opened files."""
+
+    read_config: Callable[[dict], LlamaConfig | DsaConfig]
+    load: Callable[[ModelFiles, torch.dtype], nn.Module]
+
+
+def _load_llama(files: ModelFiles, dtype: torch.dtype) -> nn.Module:
+    return load_llama(files, dtype=dtype)
+
+
+def _load_dsa(files: ModelFiles, dtype: torch.dtype) -> nn.Module:
+    return load_dsa_model(files.path, dtype)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(_llama_config, _load_llama),
+    "DeepseekV32ForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
+    "GlmMoeDsaForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
+}

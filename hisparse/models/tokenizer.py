@@ -315,6 +315,25 @@ class Tokenizer:
             extra_stop_ids=eos_ids,
         )
 
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write this tokenizer as a Hugging Face folder holds one (tokenizer.json, tokenizer_config.json with
+        the special tokens and the chat template, generation_config.json with the stop ids): what
+        `from_hf_dir` and transformers read back."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  **{name: getattr(self, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+                     if getattr(self, name) is not None}}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                      encoding="utf-8")
+        generation = {"eos_token_id": list(self.stop_token_ids)}
+        if self.bos_token_id is not None:
+            generation["bos_token_id"] = self.bos_token_id
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
         """A .gguf file or a Hugging Face directory, whichever the user passed."""

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from hisparse.cli_args import OneLineParser, positive_int, size_flag
-from hisparse.engine.engine_config import DTYPES, EngineConfig
+from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -78,7 +78,8 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     ap = OneLineParser(prog=prog, description="OpenAI-compatible HTTP server for hisparse.",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model-path", "--model", dest="model_path", default=d.model_path,
-                    help="GGUF file or Hugging Face Llama folder (default: the embedded SmolLM2-135M-Instruct)")
+                    help="GGUF file, or a Hugging Face folder of LlamaForCausalLM, DeepseekV32ForCausalLM or "
+                         "GlmMoeDsaForCausalLM (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default=d.host, help="address to listen on")
     ap.add_argument("--port", type=_port, default=d.port)
     ap.add_argument("--served-model-name", default=d.served_model_name,
@@ -97,11 +98,13 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     ap.add_argument("--device-kv-budget", type=size_flag, default=d.device_kv_budget,
                     help="device memory for the KV cache: bytes or e.g. 512MiB, 2GiB (default: 1 GiB on the "
                          "CPU, 85%% of free GPU memory less the weights on a GPU)")
-    ap.add_argument("--top-k", type=positive_int, default=d.top_k, help="tokens each sparse decode step attends to")
+    ap.add_argument("--top-k", type=positive_int, default=d.top_k,
+                    help="tokens each sparse decode step attends to (a DSA model's own index_topk wins)")
     ap.add_argument("--disable-sparse-attention", action="store_true",
                     help="decode densely even when the model has an indexer")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
-    ap.add_argument("--kv-cache-dtype", choices=DTYPES, default=d.kv_cache_dtype)
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                    help="the cache's rows (auto: the model's dtype); fp8_e4m3 is the DSA models' 656-byte latent")
     ap.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                     help="the model's weights and activations (auto: bfloat16 where the device multiplies in it "
                          "natively, else float32); the indexer stays float32")

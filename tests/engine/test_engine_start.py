@@ -11,6 +11,7 @@ import torch
 
 from hisparse.engine import llm_engine
 from hisparse.engine.engine_config import EngineConfig
+from hisparse.models import loader
 
 A_FILE = "/proc/version/traces"  # under a file, so never creatable, even by root
 
@@ -26,7 +27,7 @@ A_FILE = "/proc/version/traces"  # under a file, so never creatable, even by roo
 ])
 def test_a_config_that_cannot_work_is_refused_before_the_weights_load(opened_model, forbid, overrides, words):
     opened_model(llm_engine)
-    forbid(llm_engine, "load_llama")
+    forbid(loader, "load_llama", "load_dsa_model")
     with pytest.raises(ValueError, match=re.escape(words)):
         llm_engine.LLMEngine(EngineConfig(**overrides))
 
@@ -36,7 +37,7 @@ def test_a_dense_model_is_refused_hisparse_before_its_weights_load(monkeypatch, 
     elsewhere = llm_engine.open_model(model_files)  # the same files, seen as another model's
     monkeypatch.setattr(elsewhere, "default_indexer_weights", lambda: None)
     monkeypatch.setattr(llm_engine, "open_model", lambda model=None: elsewhere)
-    forbid(llm_engine, "load_llama")
+    forbid(loader, "load_llama", "load_dsa_model")
     with pytest.raises(ValueError, match="HiSparse needs a sparse-attention model with an indexer in every layer"):
         llm_engine.LLMEngine(EngineConfig(enable_hisparse=True))
 

@@ -7,13 +7,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hisparse import SamplingParams
+from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.formats.kv_layout import KVLayout
+from hisparse.formats.sparse_attention import SparseAttention
 from hisparse.llm import LLM
-from hisparse.memory.paged_kv_cache import KVLayout, PagedKVCache, SparseDecode
 
 PROMPTS = [
     "The capital of France is",
@@ -126,9 +128,9 @@ def test_a_budget_that_buys_no_token_is_refused_at_start(llama, tokenizer):
 
 
 def test_a_budget_beyond_the_machine_is_refused_at_start(llama, tokenizer, monkeypatch):
-    from hisparse.memory import paged_kv_cache
+    from hisparse.attention import paged
 
-    monkeypatch.setattr(paged_kv_cache, "available_host_memory", lambda: 1 << 20)
+    monkeypatch.setattr(paged, "available_host_memory", lambda: 1 << 20)
     with pytest.raises(ValueError, match="device KV budget .* more than this machine has available"):
         make_llm(llama, tokenizer, device_kv_budget=64 << 20)
 
@@ -254,7 +256,7 @@ def test_text_cut_mid_character_by_max_tokens_is_what_decode_gives(llm, monkeypa
 
 def tiny_cache(num_slots: int) -> PagedKVCache:
     """A baseline cache of `num_slots` one-float tokens with an indexer-key slot per token, as the default model's."""
-    return PagedKVCache(KVLayout(1, 1, 1), num_slots, 1.0, sparse=SparseDecode(IndexKeyFormat("float32", 1)))
+    return PagedKVCache(KVLayout(1, 1, 1), num_slots, 1.0, sparse=SparseAttention(IndexKeyFormat("float32", 1)))
 
 
 def run_scheduler(scheduler: Scheduler, requests: list[Request], max_steps: int = 500):

@@ -1,4 +1,4 @@
-"""The compiled decode attention equals gather + SDPA (`layers.attention.decode_attention`) on random pools."""
+"""The compiled decode attention equals gather + SDPA (`attention.functional.decode_attention`) on random pools."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hisparse.attention.functional import attend_rows, decode_attention
+from hisparse.formats.kv_layout import KVLayout
 from hisparse.kernels import decode_attention_cpu
 from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
-from hisparse.layers.attention import decode_attention
-from hisparse.memory.rows import gather_rows, split_kv
+from hisparse.memory.rows import gather_rows
 
 # (KV heads, query heads per KV head, head dim): the kernel is compiled for each, a few seconds apiece, so
 # the property test draws from a few, the default model's among them.
@@ -21,7 +22,7 @@ HEAD_LAYOUTS = [(2, 3, 8), (3, 3, 64)]
 
 
 def sdpa(pool, rows, q, scale, num_kv_heads, head_dim):
-    ks, vs = split_kv(gather_rows(pool.float(), rows.clamp(min=0)), num_kv_heads, head_dim)
+    ks, vs = KVLayout(1, num_kv_heads, head_dim).unpack(gather_rows(pool.float(), rows.clamp(min=0)))
     return decode_attention(q.float(), ks, vs, rows >= 0, scale)
 
 
@@ -90,11 +91,9 @@ def test_rows_that_do_not_fit_are_refused(rows, match):
 
 def test_attend_rows_falls_back_to_gather_and_sdpa_for_other_pools():
     """A float16 pool (which the kernel does not read) still gets its attention, through SDPA."""
-    from hisparse.memory.rows import attend_rows
-
     pool = torch.randn(10, 2 * 2 * 8).half()
     rows = torch.tensor([[3, -1, 7], [1, 2, -1]])
     q = torch.randn(2, 4, 8).half()
-    got = attend_rows(pool, rows, q, 0.5, 2, 8)
+    got = attend_rows(pool, rows, q, 0.5, KVLayout(1, 2, 8, torch.float16))
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), sdpa(pool, rows, q, 0.5, 2, 8), rtol=2e-3, atol=2e-3)

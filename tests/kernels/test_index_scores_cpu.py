@@ -8,17 +8,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hisparse.attention.index_selection import IndexSelector
+from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.kernels import index_scores_cpu
-from hisparse.layers.dsa_indexer import IndexKeyFormat
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 
-def random_cache(seed: int, head_dim: int, num_slots: int, layers: int = 2) -> IndexerKeyCache:
+def random_cache(seed: int, head_dim: int, num_slots: int, layers: int = 2) -> IndexSelector:
     g = torch.Generator().manual_seed(seed)
     cache = IndexerKeyCache(layers, num_slots, IndexKeyFormat("int8", head_dim))
     for layer in range(layers):
         cache.write(layer, torch.arange(num_slots), torch.randn(num_slots, head_dim, generator=g) * 3)
-    return cache
+    return IndexSelector(cache)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,9 +50,11 @@ def test_compiled_scores_match_the_reference(seed, batch, width, heads, head_dim
 
 def test_selection_uses_the_compiled_scorer_only_where_it_applies():
     assert random_cache(0, 64, 8).compiled_scores
-    assert not IndexerKeyCache(1, 8, IndexKeyFormat("fp8", 64)).compiled_scores
-    assert not IndexerKeyCache(1, 8, IndexKeyFormat("float32", 64)).compiled_scores
-    assert not IndexerKeyCache(1, 8, IndexKeyFormat("int8", 6)).compiled_scores  # scale not on an fp32 word
+    for key_format in (IndexKeyFormat("fp8", 64), IndexKeyFormat("float32", 64),
+                       IndexKeyFormat("int8", 6)):  # the last: its scale is not on an fp32 word
+        assert not IndexSelector(IndexerKeyCache(1, 8, key_format)).compiled_scores
+    # The compiled scorer sets the newest score to +inf: a model whose indexer scores it (DSA) takes PyTorch's.
+    assert not IndexSelector(IndexerKeyCache(1, 8, IndexKeyFormat("int8", 64)), select_newest=False).compiled_scores
 
 
 def test_the_compiled_scorer_really_runs(monkeypatch):
@@ -62,7 +65,7 @@ def test_the_compiled_scorer_really_runs(monkeypatch):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr("hisparse.memory.indexer_cache.int8_past_scores", spy)
+    monkeypatch.setattr("hisparse.attention.index_selection.int8_past_scores", spy)
     cache = random_cache(1, 64, 40)
     picked = cache.select(0, torch.randn(2, 4, 64), torch.rand(2, 4), torch.arange(40).repeat(2, 1),
                           torch.tensor([40, 30]), top_k=8)

@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hisparse.attention.index_selection import IndexSelector
 from hisparse.kernels import top_k_cpu
 from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
-from hisparse.memory.indexer_cache import IndexerKeyCache
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -42,7 +42,7 @@ ROWS = st.tuples(st.integers(0, 2**16), st.integers(1, 6), st.integers(1, 400), 
 def test_matches_the_reference_without_ties(case):
     seed, batch, width, k, parallel = case
     scores = random_scores(seed, batch, width, ties=False)
-    assert torch.equal(run(scores, k, parallel), IndexerKeyCache.select_reference(scores, k))
+    assert torch.equal(run(scores, k, parallel), IndexSelector.select_reference(scores, k))
 
 
 @FAST
@@ -51,7 +51,7 @@ def test_ties_go_to_the_earliest_positions(case):
     seed, batch, width, k, parallel = case
     scores = random_scores(seed, batch, width, ties=True)
     got = run(scores, k, parallel)
-    reference = IndexerKeyCache.select_reference(scores, k)
+    reference = IndexSelector.select_reference(scores, k)
     assert got.shape == (batch, k) and got.dtype == torch.int64
     for b in range(batch):
         row = scores[b]

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from hisparse.layers.dsa_indexer import select_runners_up
-from hisparse.layers.indexer import IndexerConfig, LlamaIndexer, index_scores, select_topk
+from hisparse.attention.index_selection import index_scores
+from hisparse.layers.indexer import IndexerConfig, LlamaIndexer
 from hisparse.layers.rotary import RotaryEmbedding
 
 HIDDEN, MODEL_HEAD_DIM, THETA = 96, 64, 1e5
@@ -80,29 +80,6 @@ def test_index_key_is_at_most_a_fifth_of_the_kv_bytes(llama):
     assert llama.indexer_config.key_format == "int8"
     assert cache.bytes_per_token == mc.num_layers * 68
     assert cache.bytes_per_token / mc.num_layers <= kv_bf16 / 5
-
-
-def test_context_no_longer_than_top_k_selects_every_past_position():
-    scores = torch.randn(5, 5)
-    picked = select_topk(scores, torch.arange(5), top_k=8)
-    for t in range(5):
-        assert sorted(p for p in picked[t].tolist() if p >= 0) == list(range(t + 1))
-
-
-def test_runners_up_are_the_next_best_past_positions_best_first():
-    g = torch.Generator().manual_seed(3)
-    scores = torch.randn(6, 12, generator=g)
-    positions = torch.tensor([1, 3, 5, 7, 9, 11])
-    picked = select_topk(scores, positions, top_k=3)
-    runners_up = select_runners_up(scores, positions, picked, num_next=4)
-    assert runners_up.shape == (6, 4) and runners_up.dtype == torch.int64
-    for t, p in enumerate(positions.tolist()):
-        order = sorted(range(p + 1), key=lambda s: -float(scores[t, s]))  # distinct random scores: no ties
-        chosen = [s for s in picked[t].tolist() if s >= 0]
-        assert sorted(chosen) == sorted(order[:3])  # every past position when there are at most 3
-        expected = order[len(chosen):len(chosen) + 4]
-        assert runners_up[t].tolist() == expected + [-1] * (4 - len(expected))
-    assert select_runners_up(scores, positions, picked, num_next=0).shape == (6, 0)
 
 
 def test_shipped_weights_load_with_the_default_model(llama):

@@ -1,16 +1,14 @@
-"""The absorbed (MQA over the latent) attention equals plain multi-head attention restricted to the
-selected tokens, computed the long way with explicit per-head keys and values."""
+"""The absorbed form: MLA as multi-query attention over latent rows (one K head, its prefix the V), as the
+attention backends run it for every model, equals plain multi-head attention restricted to the selected
+tokens, computed the long way with explicit per-head keys and values."""
 
 from __future__ import annotations
 
 import torch
 
-from hisparse.layers.mla import (
-    LatentFormat,
-    MultiHeadLatentAttention,
-    masked_mla_attention,
-    sparse_mla_attention,
-)
+from hisparse.attention.functional import attend_prompt, attend_rows
+from hisparse.formats.latent import LatentFormat, LatentLayout
+from hisparse.layers.mla import MultiHeadLatentAttention
 from hisparse.layers.rotary import RotaryEmbedding
 
 H, C, R, NOPE, V = 4, 64, 16, 24, 20
@@ -48,8 +46,8 @@ def test_sparse_decode_equals_attention_restricted_to_the_selection():
     rope = RotaryEmbedding(R, 64, 10000.0)
     cos, sin = rope.cos_sin(torch.arange(40))
     with torch.no_grad():
-        fmt = LatentFormat("float32", C, R)
-        pool = fmt.pack(mla.project_latent(x, cos, sin))
+        layout = LatentLayout(1, LatentFormat("float32", C, R))
+        pool = layout.pack(mla.project_latent(x, cos, sin).unsqueeze(1))
         # the rows live in a shuffled pool: attention must only see them through the page table
         perm = torch.randperm(40)
         shuffled = torch.empty_like(pool)
@@ -58,23 +56,25 @@ def test_sparse_decode_equals_attention_restricted_to_the_selection():
         selected = torch.tensor([0, 3, 7, 11, 12, 20, 31, 39])
         padded = torch.cat([selected, torch.tensor([-1, -1])])[None]  # [1, K] with padding
         slots = torch.where(padded >= 0, page_table[padded.clamp_min(0)], padded)
-        rows = fmt.unpack(shuffled[slots.clamp_min(0)])
         _, q_nope, q_pe = mla.project_q(x[39:], cos[39:], sin[39:])
-        o_lat = sparse_mla_attention(mla.absorb_q(q_nope), q_pe, rows, padded >= 0, mla.softmax_scale)
+        q = torch.cat([mla.absorb_q(q_nope), q_pe], dim=-1)
+        o_lat = attend_rows(shuffled, slots, q, mla.softmax_scale, layout)
         ours = mla.output(o_lat, x.dtype)
         ref = _direct(mla, x, 39, selected)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5), (ours - ref).abs().max()
 
 
-def test_masked_prefill_path_equals_gathered_path():
+def test_a_sparse_prompt_chunk_equals_each_query_alone_over_its_selection():
+    """Many queries over one run of rows with a mask per query (prefill) = each query's own gathered rows."""
     mla = _mla()
     x = torch.randn(30, 48)
     rope = RotaryEmbedding(R, 64, 10000.0)
     cos, sin = rope.cos_sin(torch.arange(30))
+    layout = LatentLayout(1, LatentFormat("float32", C, R))
     with torch.no_grad():
-        latent = mla.project_latent(x, cos, sin)
+        pool = layout.pack(mla.project_latent(x, cos, sin).unsqueeze(1))
         _, q_nope, q_pe = mla.project_q(x, cos, sin)
-        q_lat = mla.absorb_q(q_nope)
+        q = torch.cat([mla.absorb_q(q_nope), q_pe], dim=-1)
         g = torch.Generator().manual_seed(1)
         allowed = (torch.rand(30, 30, generator=g) < 0.4).tril()
         allowed[:, 0] = True
@@ -83,9 +83,9 @@ def test_masked_prefill_path_equals_gathered_path():
         for t in range(30):
             idx = allowed[t].nonzero().squeeze(-1)
             sel[t, : len(idx)] = idx
-        masked = masked_mla_attention(q_lat, q_pe, latent, allowed, mla.softmax_scale)
-        gathered = sparse_mla_attention(q_lat, q_pe, latent[sel.clamp_min(0)], sel >= 0, mla.softmax_scale)
-    assert torch.allclose(masked, gathered, rtol=1e-5, atol=1e-6)
+        chunk = attend_prompt(pool, torch.arange(30), q, mla.softmax_scale, layout, sel)
+        alone = attend_rows(pool, sel, q, mla.softmax_scale, layout)
+    assert torch.allclose(chunk, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_latent_formats_round_trip():

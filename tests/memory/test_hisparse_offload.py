@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hisparse import SamplingParams
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparsePools, PoolSizing
 from hisparse.memory.slot_allocator import SlotAllocator
@@ -76,7 +76,7 @@ def test_offloading_changes_no_result(llama, tokenizer, prompts, baseline_tokens
     stats = e.stats_dict()["swap_in"]
     assert stats["misses"] > 0 and stats["hits"] > 0
     assert e.cache.host_kv.dtype == torch.float32  # the float32 model's K/V ("auto")
-    assert stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * 4
+    assert stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_width * 4
     assert_all_free(e)
 
 
@@ -88,7 +88,7 @@ def test_offloading_changes_no_result_in_bfloat16(llama_bf16, tokenizer, prompts
     assert generate(e, prompts) == generate(engine(llama_bf16, tokenizer, kv_cache_dtype=kv_cache_dtype), prompts)
     stats = e.stats_dict()["swap_in"]
     width = 2 if kv_cache_dtype == "auto" else 4
-    assert stats["misses"] > 0 and stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_size * width
+    assert stats["misses"] > 0 and stats["bytes_host_to_device"] == stats["misses"] * e.cache.layout.row_width * width
     assert_all_free(e)
 
 

@@ -50,7 +50,7 @@ def test_unknown_page_kind_is_refused():
 
 @needs_thp
 def test_the_hisparse_host_pool_asks_for_huge_pages():
-    from hisparse.layers.dsa_indexer import IndexKeyFormat
+    from hisparse.formats.index_key import IndexKeyFormat
     from hisparse.memory.hisparse_config import HiSparseConfig
     from hisparse.memory.hisparse_pools import HiSparsePools
 

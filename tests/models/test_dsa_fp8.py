@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from dsa_checkpoints import TOP_K, baseline_cache, build_checkpoint, record_chunk_selections, rel_err, sequence_logits
 from safetensors.torch import load_file, save_file
-from test_dsa_parity import TOP_K, build_checkpoint, rel_err
 
-from hisparse.layers.fp8 import block_dequant, block_quant
-from hisparse.models.deepseek_v32 import DsaTrace, load_dsa_model
+from hisparse.formats.fp8 import block_dequant, block_quant
+from hisparse.models.deepseek_v32 import load_dsa_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,45 +61,44 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
     q_b = "model.layers.1.self_attn.indexer.wq_b.weight"  # 512 x 48: four row blocks
     assert torch.equal(from_fp8.state_dict()[q_b], fake[q_b])
     ids = torch.randint(0, 128, (3 * TOP_K,), generator=torch.Generator().manual_seed(7))
-    pos = torch.arange(3 * TOP_K)
-    run = [m(ids, pos, m.new_cache(64, "float32", "float32")) for m in (from_fp8, reference, original)]
+    run = [sequence_logits(m, ids, 3 * TOP_K, baseline_cache(m, 64)) for m in (from_fp8, reference, original)]
     assert rel_err(run[0], run[1]) < 1e-6
     # FP8 weights move the logits (and flip a few expert choices of this random model), but not far
     assert rel_err(run[0], run[2]) < 0.3
 
 
-def test_fp8_kv_rows_end_to_end(tmp_path):
+def test_fp8_kv_rows_end_to_end(tmp_path, monkeypatch):
     """The serving formats (656-byte FP8 latent, 132-byte FP8 indexer key) against exact float32 rows.
 
     The exact rows are what transformers computes. DeepSeek's reference (inference/model.py) differs
     from transformers here: it rotates indexer q and k by a Hadamard transform and scores them in FP8
     (fp8_index); we follow the reference for the stored key, so selections may differ from
     transformers' near the top-k boundary. A tiny random model is far less well conditioned than a
-    trained one, so the bounds are loose; the byte-level bounds are in tests/layers/test_fp8_layouts.py.
+    trained one, so the bounds are loose; the byte-level bounds are in tests/formats/test_fp8_layouts.py.
     """
     build_checkpoint("deepseek_v32", tmp_path)
     model = load_dsa_model(tmp_path)
     n = 4 * TOP_K
     ids = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(8))
-    pos = torch.arange(n)
-    exact = DsaTrace()
-    ref = model(ids, pos, model.new_cache(n, "float32", "float32"), trace=exact)
+    selections = record_chunk_selections(monkeypatch)
+    ref = sequence_logits(model, ids, n, baseline_cache(model, n + 1))
+    exact = selections.pop(0)[0][0]
 
-    assert rel_err(model(ids, pos, model.new_cache(n, "fp8", "float32")), ref) < 0.15
+    fp8_rows = baseline_cache(model, n + 1, rows="fp8_e4m3")
+    assert fp8_rows.kv.shape == (3, n + 1, 128 + 4 + 32)
+    assert rel_err(sequence_logits(model, ids, n, fp8_rows), ref) < 0.15
 
-    fp8_keys = DsaTrace()
-    cache = model.new_cache(n, "float32", "fp8")
-    assert cache.index_k.shape == (3, n, 32 + 4)
-    model(ids, pos, cache, trace=fp8_keys)
+    selections.clear()
+    fp8_keys = baseline_cache(model, n + 1, keys="fp8")
+    assert fp8_keys.index_cache.rows.shape == (3, n + 1, 32 + 4)
+    sequence_logits(model, ids, n, fp8_keys)
     # layer 0 sees the same hidden states either way: only key/query quantization differs
-    a, b = exact.selections[0][TOP_K:], fp8_keys.selections[0][TOP_K:]
+    a, b = exact[TOP_K:], selections[0][0][0][TOP_K:]
     overlap = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b, strict=True)) / a.numel()
     assert overlap > 0.95
 
     bf16 = load_dsa_model(tmp_path, dtype=torch.bfloat16)
-    cache = bf16.new_cache(n, "fp8", "fp8")
-    assert cache.latent.shape == (3, n, 128 + 4 + 32)
-    got = bf16(ids[:-1], pos[:-1], cache)
-    step = bf16(ids[-1:], pos[-1:], cache)
-    assert torch.isfinite(got).all() and torch.isfinite(step).all()
-    assert torch.nn.functional.cosine_similarity(torch.cat([got, step]), ref, dim=-1).mean() > 0.9
+    both = baseline_cache(bf16, n + 1, rows="fp8_e4m3", keys="fp8")
+    got = sequence_logits(bf16, ids, n - 1, both)  # the last token as a decode step
+    assert torch.isfinite(got).all()
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).mean() > 0.9

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.layers.attention import SingleSequenceCache
+from hisparse.attention.single_sequence import SingleSequenceCache
 from hisparse.models.loader import load_llama
 
 

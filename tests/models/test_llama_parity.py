@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.layers.attention import SingleSequenceCache
+from hisparse.attention.single_sequence import SingleSequenceCache
 
 PROMPTS = [
     [1, 504, 3458, 282, 4649, 314],

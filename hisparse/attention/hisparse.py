@@ -1,41 +1,45 @@
-"""HiSparse for the default model: a token's row is its K and V of every KV head, side by side.
+"""HiSparse through the engine, for every model: admission by `Request`, and the attention backend that runs
+prefill over the host pool and decode over the hot buffers.
 
 The memory hierarchy itself (host pool, per-request hot buffer with a reserved newest slot, indexer keys
 on the device, the fast path, per-layer swap-in, counters, the reference's sizing and admission) is
-`hisparse_pools.HiSparsePools`; this module adds what the engine needs: admission by `Request`, and the
-attention backend that runs prefill over the host pool and decode over the hot buffer.
+`memory.hisparse_pools.HiSparsePools`, which copies rows without looking inside them; the cache's
+`RowLayout` says what a row is (K and V heads of the default model, the MLA latent of DSA models).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hisparse.engine.forward_batch import ForwardBatch
-from hisparse.engine.request import Request
-from hisparse.layers.attention import causal_attention
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.attention.functional import attend_prompt, attend_rows
+from hisparse.attention.index_selection import IndexSelector
+from hisparse.attention.paged import rows_of
+from hisparse.attention.step_selection import StepSelection
+from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
+from hisparse.formats.kv_layout import RowLayout
+from hisparse.formats.sparse_attention import SparseAttention
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
-from hisparse.memory.paged_kv_cache import KVLayout
-from hisparse.memory.rows import attend_rows, gather_rows, split_kv
 
 
 class HiSparseKVCache(HiSparsePools):
-    def __init__(self, layout: KVLayout, config: HiSparseConfig, budget_bytes: int, index_key: IndexKeyFormat,
+    def __init__(self, layout: RowLayout, config: HiSparseConfig, budget_bytes: int, sparse: SparseAttention,
                  max_requests: int, max_context: int, scale: float, device: str = "cpu",
                  swap_in_backend: str = "auto") -> None:
-        super().__init__(layout.num_layers, layout.row_size, layout.dtype, index_key, config, budget_bytes,
-                         max_requests, max_context, device, swap_in_backend)
+        super().__init__(layout.num_layers, layout.row_width, layout.row_dtype, sparse.index_key, config,
+                         budget_bytes, max_requests, max_context, device, swap_in_backend)
         self.layout = layout
         self.scale = scale
+        self.sparse = sparse
+        self.selector = IndexSelector(self.index_cache, sparse.select_newest)
 
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: BatchedRequest) -> bool:
         return self.can_allocate(request.max_total_tokens)
 
-    def admit(self, request: Request) -> None:
+    def admit(self, request: BatchedRequest) -> None:
         request.kv = self.allocate(request.max_total_tokens)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: BatchedRequest) -> None:
         alloc: HiSparseAllocation | None = request.kv
         if alloc is None:
             return
@@ -56,6 +60,7 @@ class HiSparseAttention:
                                       for s in batch.spans]).to(cache.device)
         self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
+        self.selection = StepSelection(cache.sparse, cache.selector)
         if not self.decode:
             return
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
@@ -67,35 +72,34 @@ class HiSparseAttention:
             for s in self.decode]).to(cache.device)
 
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
-        if index_q is None:
-            raise ValueError("HiSparse needs a sparse-attention model (a lightning indexer in every layer)")
         cache = self.cache
         layout = cache.layout
-        new_rows = torch.cat([k.flatten(1), v.flatten(1)], 1).to(layout.dtype)
+        new_rows = layout.pack(k, v)
         host = cache.host_kv[layer]
         host.index_copy_(0, self.host_write, new_rows.to(host.device))  # the backup (async on a GPU)
-        cache.index_cache.write(layer, self.index_write, index_k)
-        out = torch.empty_like(q)
-        for span in self.prefill:
-            rows = gather_rows(host, torch.from_numpy(span.request.kv.host_rows[:span.end])).to(q.device)
-            ks, vs = split_kv(rows, layout.num_kv_heads, layout.head_dim)
+        if index_k is not None:
+            cache.index_cache.write(layer, self.index_write, index_k)
+        out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
+        for chunk, span in enumerate(self.prefill):
             sl = slice(span.offset, span.offset + span.length)
-            out[sl] = causal_attention(q[sl], ks, vs, cache.scale)
+            selection = None
+            if cache.sparse.sparse_prefill_in(layer):
+                index_slots = torch.from_numpy(span.request.kv.index_slots[:span.end]).to(cache.device)
+                selection = self.selection.chunk(layer, chunk, rows_of(index_q, sl), rows_of(index_w, sl), index_slots,
+                                                 torch.arange(span.start, span.end, device=cache.device))
+            host_rows = torch.from_numpy(span.request.kv.host_rows[:span.end])
+            out[sl] = attend_prompt(host, host_rows, q[sl], cache.scale, layout, selection)
         if self.decode:
-            out[self.decode_offsets] = self._decode(layer, q[self.decode_offsets], new_rows[self.decode_offsets],
-                                                    index_q[self.decode_offsets], index_w[self.decode_offsets])
+            at = self.decode_offsets
+            out[at] = self._decode(layer, q[at], new_rows[at], rows_of(index_q, at), rows_of(index_w, at))
         return out
 
     def _decode(self, layer, q, new_rows, index_q, index_w):
         cache = self.cache
         device_kv = cache.device_kv[layer]
         device_kv.index_copy_(0, self.step.device_write, new_rows)
-        args = (layer, index_q, index_w, self.index_slots, self.lengths, cache.config.top_k)
-        next_ranked = None
-        if cache.num_next_ranks and self.step.has_swapping:  # the policy also reads the runners-up
-            selected, next_ranked = cache.index_cache.select_with_next(*args, cache.num_next_ranks)
-        else:
-            selected = cache.index_cache.select(*args)  # [B, K] ascending, newest included
+        # The policy may also read the runners-up (score_lru, lrfu), when some request swaps in.
+        num_next = cache.num_next_ranks if self.step.has_swapping else 0
+        selected, next_ranked = self.selection.decode(layer, index_q, index_w, self.index_slots, self.lengths, num_next)
         page = cache.page_table(layer, self.step, selected, next_ranked)
-        layout = cache.layout
-        return attend_rows(device_kv, page, q, cache.scale, layout.num_kv_heads, layout.head_dim)
+        return attend_rows(device_kv, page, q, cache.scale, cache.layout)

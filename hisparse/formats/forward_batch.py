@@ -7,17 +7,30 @@ recomputed per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from hisparse.engine.request import Request
+
+class BatchedRequest(Protocol):
+    """What a batch and the attention backends read of a request (the engine's `Request`)."""
+
+    kv: Any  # the cache's allocation
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    max_total_tokens: int  # what the cache must hold for it by the time it ends
+    in_prefill: bool
+    record_topk: bool
+    topk_trace: list | None
+
+    def token_at(self, position: int) -> int: ...
 
 
 @dataclass
 class SequenceSpan:
     """The new tokens of one request in this step: positions [start, start + length)."""
 
-    request: Request
+    request: BatchedRequest
     offset: int  # index of its first token in the flat batch
     start: int
     length: int
@@ -44,7 +57,7 @@ class ForwardBatch:
         return [s for s in self.spans if s.length > 1 or s.request.in_prefill]
 
     @classmethod
-    def build(cls, spans: list[tuple[Request, int]]) -> ForwardBatch:
+    def build(cls, spans: list[tuple[BatchedRequest, int]]) -> ForwardBatch:
         """spans: (request, number of new tokens) pairs, new tokens starting at num_computed_tokens."""
         ids: list[int] = []
         positions: list[int] = []

@@ -1,12 +1,14 @@
-"""The baseline: every token's K/V on the device, in a token-granular pool behind per-request page tables.
+"""The baseline: every token's row on the device, in a token-granular pool behind per-request page tables.
 
 This is what HiSparse is measured against under the same device budget. One pool row holds one token's
-K and V of one layer, side by side, so a token moves between pools as a single row copy.
+row of one layer (K and V side by side, or an MLA latent: the cache's `RowLayout`), so a token moves
+between pools as a single row copy.
 
 With a sparse-attention model the cache also holds every token's lightning-indexer key
-(`IndexerKeyCache`) and decode attends only to the `top_k` positions the indexer selects (the whole K/V
-still sits on the device here: this is sparse attention without the memory hierarchy). Prefill stays
-dense and causal but writes the index key of every prompt token.
+(`IndexerKeyCache`) and decode attends only to the `top_k` positions the indexer selects (the whole cache
+still sits on the device here: this is sparse attention without the memory hierarchy). Prefill is dense
+and causal, or, for a model whose indexers select in prefill too (DSA), each prompt token attends to its
+own top-k; either way it writes the index key of every prompt token.
 """
 
 from __future__ import annotations
@@ -16,46 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hisparse.engine.forward_batch import ForwardBatch
-from hisparse.engine.request import Request
-from hisparse.layers.attention import causal_attention
-from hisparse.layers.dsa_indexer import IndexKeyFormat
+from hisparse.attention.functional import attend_prompt, attend_rows
+from hisparse.attention.index_selection import IndexSelector
+from hisparse.attention.step_selection import StepSelection
+from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
+from hisparse.formats.kv_layout import RowLayout
+from hisparse.formats.sparse_attention import SparseAttention
 from hisparse.memory.host_memory import GIB, available_host_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
-from hisparse.memory.rows import attend_rows, gather_rows, split_kv
 from hisparse.memory.slot_allocator import SlotAllocator
-
-
-@dataclass
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-
-    @classmethod
-    def of(cls, config, dtype: torch.dtype) -> KVLayout:
-        """The K/V layout of a model with this config (a LlamaConfig: its weights need not be loaded)."""
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-
-    @property
-    def row_size(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def row_bytes(self) -> int:
-        """One token's K/V in one layer: a row of the pools."""
-        return self.row_size * self.dtype.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Device bytes of one token's K/V across all layers."""
-        return self.num_layers * self.row_bytes
-
-    def baseline_bytes_per_token(self, index_key: IndexKeyFormat | None = None) -> int:
-        """What one token costs the baseline's device pool: its K/V in every layer plus, with an indexer,
-        its index key row in every layer."""
-        return self.bytes_per_token + (0 if index_key is None else self.num_layers * index_key.row_bytes)
 
 
 @dataclass
@@ -64,43 +35,22 @@ class PagedAllocation:
     index_slots: torch.Tensor | None = None  # int64 [max_total_tokens]: indexer-key slot of each position
 
 
-# Runners-up a recorded decode step keeps per top_k position: score_lru reads 2 per spare slot, which is
-# 4 x top_k at a buffer of 3 x top_k, the largest the miss-rate benchmark replays.
-TRACE_NEXT_PER_TOP_K = 4
-
-
-@dataclass
-class SparseDecode:
-    """How decode uses the indexer: top_k positions per step, except in `dense_layers` or when off."""
-
-    index_key: IndexKeyFormat
-    enabled: bool = True
-    top_k: int = 256
-    dense_layers: tuple[int, ...] = ()
-    trace_next_ranks: int | None = None  # runners-up a recorded step keeps; None: TRACE_NEXT_PER_TOP_K x top_k
-
-    @property
-    def recorded_next_ranks(self) -> int:
-        return TRACE_NEXT_PER_TOP_K * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks
-
-    def sparse_in(self, layer: int) -> bool:
-        return self.enabled and layer not in self.dense_layers
-
-
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_slots: int, scale: float, device: str = "cpu",
-                 sparse: SparseDecode | None = None) -> None:
+    def __init__(self, layout: RowLayout, num_slots: int, scale: float, device: str = "cpu",
+                 sparse: SparseAttention | None = None) -> None:
         self.layout = layout
         self.scale = scale
-        self.kv = torch.zeros(layout.num_layers, num_slots, layout.row_size, dtype=layout.dtype, device=device)
+        self.kv = torch.zeros(layout.num_layers, num_slots, layout.row_width, dtype=layout.row_dtype,
+                              device=device)
         self.allocator = SlotAllocator(num_slots)
         self.sparse = sparse
         self.index_cache = None if sparse is None else IndexerKeyCache(layout.num_layers, num_slots,
                                                                        sparse.index_key, device)
+        self.selector = None if sparse is None else IndexSelector(self.index_cache, sparse.select_newest)
 
     @classmethod
-    def from_budget(cls, layout: KVLayout, budget_bytes: int, scale: float, device: str = "cpu",
-                    sparse: SparseDecode | None = None):
+    def from_budget(cls, layout: RowLayout, budget_bytes: int, scale: float, device: str = "cpu",
+                    sparse: SparseAttention | None = None):
         """As many token slots as the budget buys; with an indexer each token also costs its index keys. A
         budget that buys none is refused here: a server started with it would refuse every request."""
         per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_key)
@@ -118,15 +68,15 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.allocator.num_slots
 
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: BatchedRequest) -> bool:
         return request.max_total_tokens <= self.allocator.num_free
 
-    def admit(self, request: Request) -> None:
+    def admit(self, request: BatchedRequest) -> None:
         n = request.max_total_tokens
         index_slots = None if self.index_cache is None else torch.from_numpy(self.index_cache.allocator.allocate(n))
         request.kv = PagedAllocation(torch.from_numpy(self.allocator.allocate(n)), index_slots)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: BatchedRequest) -> None:
         if request.kv is not None:
             self.allocator.free(request.kv.slots.numpy())
             if request.kv.index_slots is not None:
@@ -140,6 +90,11 @@ class PagedKVCache:
         return {"device_slots_total": self.allocator.num_slots, "device_slots_used": self.allocator.num_used}
 
 
+def rows_of(tensor: torch.Tensor | None, index) -> torch.Tensor | None:
+    """tensor[index], or None for a layer without an indexer of its own."""
+    return None if tensor is None else tensor[index]
+
+
 class PagedAttention:
     """The attention backend for one step over a PagedKVCache."""
 
@@ -149,8 +104,10 @@ class PagedAttention:
         self.write_rows = torch.cat([s.request.kv.slots[s.start:s.end] for s in batch.spans])
         self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
+        self.selection = None if cache.selector is None else StepSelection(cache.sparse, cache.selector)
         if cache.index_cache is not None:
             self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
+        self.trace_steps = {}
         if self.decode:
             self.decode_lengths = torch.tensor([s.end for s in self.decode])
             width = int(self.decode_lengths.max())
@@ -163,7 +120,6 @@ class PagedAttention:
             # Requests that record their top-k get one entry per decode step: the context length and,
             # filled layer by layer, the positions selected and those ranked next (hisparse.engine.topk_trace
             # reads these).
-            self.trace_steps = {}
             for b, span in enumerate(self.decode):
                 if span.request.record_topk and cache.index_cache is not None:
                     step = {"seq_len": span.end, "layers": [None] * cache.layout.num_layers,
@@ -177,31 +133,31 @@ class PagedAttention:
         cache = self.cache
         layout = cache.layout
         pool = cache.kv[layer]
-        pool.index_copy_(0, self.write_rows, torch.cat([k.flatten(1), v.flatten(1)], 1).to(pool.dtype))
-        has_index = cache.index_cache is not None and index_k is not None
-        if has_index:
+        pool.index_copy_(0, self.write_rows, layout.pack(k, v))
+        if cache.index_cache is not None and index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
-        out = torch.empty_like(q)
-        for span in self.prefill:
-            rows = gather_rows(pool, span.request.kv.slots[:span.end])
-            ks, vs = split_kv(rows, layout.num_kv_heads, layout.head_dim)
+        sparse = cache.sparse
+        out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
+        for chunk, span in enumerate(self.prefill):
             sl = slice(span.offset, span.offset + span.length)
-            out[sl] = causal_attention(q[sl], ks, vs, cache.scale)
+            selection = None
+            if sparse is not None and sparse.sparse_prefill_in(layer):
+                selection = self.selection.chunk(layer, chunk, rows_of(index_q, sl), rows_of(index_w, sl),
+                                                 span.request.kv.index_slots[:span.end],
+                                                 torch.arange(span.start, span.end))
+            out[sl] = attend_prompt(pool, span.request.kv.slots[:span.end], q[sl], cache.scale, layout, selection)
         if self.decode:
             rows = self.decode_rows
-            sparse = has_index and cache.sparse.sparse_in(layer)
-            if sparse or (has_index and self.trace_steps):
-                args = (layer, index_q[self.decode_offsets], index_w[self.decode_offsets], self.decode_index_slots,
-                        self.decode_lengths, cache.sparse.top_k)
-                if self.trace_steps:
-                    selected, following = cache.index_cache.select_with_next(*args, cache.sparse.recorded_next_ranks)
-                else:
-                    selected = cache.index_cache.select(*args)
+            selects = self.selection is not None and sparse.sparse_in(layer)
+            if selects or (self.selection is not None and self.trace_steps):
+                num_next = sparse.recorded_next_ranks if self.trace_steps else 0
+                selected, following = self.selection.decode(
+                    layer, rows_of(index_q, self.decode_offsets), rows_of(index_w, self.decode_offsets),
+                    self.decode_index_slots, self.decode_lengths, num_next)
                 for b, step in self.trace_steps.items():
                     step["layers"][layer] = selected[b].to(torch.int32).numpy()
                     step["next"][layer] = following[b].to(torch.int32).numpy()
-                if sparse:
+                if selects:
                     rows = torch.where(selected >= 0, rows.gather(1, selected.clamp(min=0)), -1)
-            out[self.decode_offsets] = attend_rows(pool, rows, q[self.decode_offsets], cache.scale, layout.num_kv_heads,
-                                                   layout.head_dim)
+            out[self.decode_offsets] = attend_rows(pool, rows, q[self.decode_offsets], cache.scale, layout)
         return out

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse.layers import fp8
-from hisparse.layers.dsa_indexer import IndexKeyFormat, hadamard
-from hisparse.layers.mla import LatentFormat
+from hisparse.formats import fp8
+from hisparse.formats.index_key import IndexKeyFormat, hadamard
+from hisparse.formats.latent import LatentFormat
 
 E4M3_REL = 2.0**-4  # 3 mantissa bits: round-to-nearest error of a normal number
 E4M3_SUBNORMAL_STEP = 2.0**-9  # spacing below 2^-6, in units of the scale

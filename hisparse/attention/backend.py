@@ -1,0 +1,29 @@
+"""The contract between a model's attention layers and the KV cache.
+
+A model computes q, k and v and hands them to an `AttentionBackend`; the backend alone knows where the
+cache lives (a paged device pool, a host pool behind hot buffers), how a token's row is stored (the
+cache's `RowLayout`) and which past tokens a query may see (all of them, or the top-k its indexer picked).
+That keeps the model code free of the memory hierarchy, and lets the engine swap dense, sparse and
+offloaded attention without touching the model. Every architecture uses the same contract: a Llama layer
+passes its K and V heads; an MLA layer passes its absorbed query and its latent row as the single K head
+(V is the latent's first kv_lora_rank dims, so it passes none).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,
+               index_w: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [N, Hq, Dk]; k: [N, Hkv, Dk], v: [N, Hkv, Dv] (or None where the layout derives it from k) for
+        the N new tokens of the batch, already rotated.
+
+        index_*: the layer's lightning-indexer query [N, H_I, d_I], key [N, d_I] and per-head weights
+        [N, H_I] for the same tokens, when the layer has an indexer of its own. Returns [N, Hq, Dv].
+        """
+        ...

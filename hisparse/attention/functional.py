@@ -1,0 +1,91 @@
+"""Attention over rows of a pool, whatever the row layout: prefill (causal or masked) and decode."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hisparse.formats.kv_layout import KVLayout, RowLayout
+from hisparse.memory.rows import gather_rows
+
+_QUERY_CHUNK = 256  # bounds the [heads, chunk, context] scores of a masked prompt chunk
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q over k/v where q are the last q.shape[0] of k's tokens. q [T, Hq, Dk], k [S, Hkv, Dk],
+    v [S, Hkv, Dv] -> [T, Hq, Dv].
+
+    Tensors go to SDPA as 4-D: on the CPU its 3-D path is an order of magnitude slower. K/V come in the
+    cache's dtype and are read in the query's (the model's): a bfloat16 model's K/V were bfloat16 before a
+    float32 cache stored them, so the round trip is exact.
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    if tq == tk:
+        return _sdpa(q, k, v, None, scale, causal=True)
+    rows = torch.arange(tk - tq, tk, device=q.device).unsqueeze(1)
+    return _sdpa(q, k, v, torch.arange(tk, device=q.device).unsqueeze(0) <= rows, scale)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of q [T, Hq, Dk] over k [S, Hkv, Dk] / v [S, Hkv, Dv] where allowed [T, S] (sparse prefill:
+    each query over its own top-k). Queries go in chunks, so the scores never exceed [Hq, 256, S]."""
+    return torch.cat([_sdpa(q[i:i + _QUERY_CHUNK], k, v, allowed[i:i + _QUERY_CHUNK], scale)
+                      for i in range(0, q.shape[0], _QUERY_CHUNK)])
+
+
+def _sdpa(q, k, v, mask, scale, causal=False):
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """One query per request over its own rows. q [B, Hq, Dk]; k [B, L, Hkv, Dk]; v [B, L, Hkv, Dv]; mask
+    [B, L] or None. Returns [B, Hq, Dv].
+
+    The query heads that share a KV head go in SDPA's query-length axis, so K/V are read once per KV head
+    and never expanded. Unlike prefill, decode is bound by reading K/V, so it runs in the wider of the two
+    dtypes: narrowing a float32 cache's rows for a bfloat16 model cost more than the attention itself.
+    """
+    b, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    qg = q.to(dtype).view(b, hkv, hq // hkv, d)
+    # An all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an additive
+    # float one on every call.
+    attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                                         scale=scale)
+    return out.reshape(b, hq, dv).to(q.dtype)
+
+
+def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,
+                layout: RowLayout) -> torch.Tensor:
+    """Decode attention of q [B, Hq, Dk], one query per request, over the pool rows rows [B, L] (-1: none).
+    On the CPU, K/V rows of float32 or bfloat16 are read where they lie (`kernels.decode_attention_cpu`);
+    other layouts and devices gather and unpack the rows for SDPA."""
+    if isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16):
+        from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
+
+        return sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads, layout.head_dim)
+    k, v = layout.unpack(gather_rows(pool, rows.clamp(min=0)))
+    return decode_attention(q, k, v, rows >= 0, scale)
+
+
+def attend_prompt(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: float, layout: RowLayout,
+                  selection: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one request's prompt chunk q [T, Hq, Dk] (its last T positions) over the pool rows of its
+    positions 0..S-1 (`slots` [S]): causal, or each query over its own `selection` [T, K] (-1 padded)."""
+    k, v = (t.to(q.device) for t in layout.unpack(gather_rows(pool, slots.to(pool.device))))
+    if selection is None:
+        return causal_attention(q, k, v, scale)
+    s = slots.shape[0]
+    # Padding (-1) scatters into a spare last column, which is then dropped.
+    allowed = torch.zeros(q.shape[0], s + 1, dtype=torch.bool, device=q.device)
+    allowed.scatter_(1, torch.where(selection >= 0, selection, s), True)
+    return masked_attention(q, k, v, allowed[:, :s], scale)

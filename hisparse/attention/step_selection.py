@@ -1,0 +1,48 @@
+"""One step's top-k choices, layer by layer, for both backends.
+
+A layer with an indexer of its own selects; a layer that shares (GLM's "shared" layers) reuses what the
+last selecting layer chose in this step, for the decode queries and for each prompt chunk alike. Under
+HiSparse a sharing layer still swaps in for itself: every layer has its own hot buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.attention.index_selection import IndexSelector
+from hisparse.formats.sparse_attention import SparseAttention
+
+
+class StepSelection:
+    def __init__(self, sparse: SparseAttention, selector: IndexSelector) -> None:
+        self.sparse = sparse
+        self.selector = selector
+        self._decode: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._chunks: dict[int, torch.Tensor] = {}
+
+    def _shared(self, layer: int, chosen):
+        if chosen is None:
+            raise ValueError(f"layer {layer} shares the top-k of a previous layer, but none selected in this step")
+        return chosen
+
+    def decode(self, layer: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None, slots: torch.Tensor,
+               lengths: torch.Tensor, num_next: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(selected [B, K] ascending, -1 padded; the `num_next` runners-up [B, M] or None) of the decode
+        queries."""
+        if self.sparse.shares_selection(layer):
+            return self._shared(layer, self._decode)
+        args = (layer, index_q, index_w, slots, lengths, self.sparse.top_k)
+        if num_next:
+            self._decode = self.selector.select_with_next(*args, num_next)
+        else:
+            self._decode = self.selector.select(*args), None
+        return self._decode
+
+    def chunk(self, layer: int, chunk: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
+              slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Selected positions [T, K] of the queries of prompt chunk number `chunk` of the step."""
+        if self.sparse.shares_selection(layer):
+            return self._shared(layer, self._chunks.get(chunk))
+        self._chunks[chunk] = self.selector.select_chunk(layer, index_q, index_w, slots, positions,
+                                                         self.sparse.top_k)
+        return self._chunks[chunk]

@@ -1,0 +1,1 @@
+"""Commands that make or inspect model files: `python -m hisparse.tools.<name>`."""
