@@ -232,6 +232,34 @@ def _check_positive(flag: str, value: float) -> None:
         raise PlanError(f"--{flag} must be a positive finite number, got {value}")
 
 
+@dataclass(frozen=True)
+class PoolRequests:
+    """How many requests of one context one KV pool holds at once, with and without HiSparse."""
+
+    sizing: PoolSizing  # HiSparse's pools for the budget
+    baseline_bytes_per_token: int
+    context: int
+    by_slots: int  # hot buffers (buffer + the reserved slot each) the device slots hold
+    by_logical: int  # whole contexts the host pool and the indexer keys hold
+
+    @property
+    def hisparse(self) -> int:
+        return min(self.by_slots, self.by_logical)
+
+    @property
+    def baseline(self) -> int:
+        return self.sizing.budget_bytes // self.baseline_bytes_per_token // self.context
+
+
+def requests_within(shape: ModelShape, hisparse: HiSparseConfig, budget_bytes: int, context: int,
+                    kv_cache_dtype: str = "bfloat16") -> PoolRequests:
+    """The requests of `context` tokens a KV budget holds, sized as the engine sizes its pools."""
+    kv, idx = shape.kv_bytes(kv_cache_dtype), shape.indexer_bytes
+    sizing = PoolSizing(shape.num_layers, kv, idx, hisparse, budget_bytes)  # the engine's own sizing
+    return PoolRequests(sizing, shape.num_layers * (kv + idx), context,
+                        sizing.device_slots // (hisparse.device_buffer_size + 1), sizing.logical_capacity // context)
+
+
 def plan_capacity(
     shape: ModelShape,
     hisparse: HiSparseConfig,
@@ -299,23 +327,14 @@ def plan_capacity(
         )
     budget = static - weights
 
-    layers, kv, idx, ratio = (
-        shape.num_layers,
-        shape.kv_bytes(kv_cache_dtype),
-        shape.indexer_bytes,
-        hisparse.host_to_device_ratio,
-    )
-    sizing = PoolSizing(layers, kv, idx, hisparse, budget)  # the engine's own sizing of its pools
-    cell, slots, logical = sizing.cell_bytes, sizing.device_slots, sizing.logical_capacity
-    by_slots = slots // (hisparse.device_buffer_size + 1)
-    if by_slots < 1:
+    pools = requests_within(shape, hisparse, budget, context, kv_cache_dtype)
+    if pools.by_slots < 1:
         raise PlanError(
-            f"the KV budget of {budget / GIB:.2f} GiB per GPU holds {slots} slots, fewer than one "
-            f"request's hot buffer ({hisparse.device_buffer_size} + 1)"
+            f"the KV budget of {budget / GIB:.2f} GiB per GPU holds {pools.sizing.device_slots} slots, fewer "
+            f"than one request's hot buffer ({hisparse.device_buffer_size} + 1)"
         )
-    by_logical = logical // context
-    baseline_per_token = layers * (kv + idx)
-    host_per_gpu = sizing.host_bytes
+    layers, kv, idx = shape.num_layers, pools.sizing.row_bytes, shape.indexer_bytes
+    ratio = hisparse.host_to_device_ratio
     plan = CapacityPlan(
         model=shape.name,
         num_layers=layers,
@@ -328,23 +347,23 @@ def plan_capacity(
         context_len=context,
         weights_bytes_per_gpu=weights,
         budget_bytes_per_gpu=budget,
-        baseline_bytes_per_token=baseline_per_token,
-        hisparse_cell_bytes=cell,
+        baseline_bytes_per_token=pools.baseline_bytes_per_token,
+        hisparse_cell_bytes=pools.sizing.cell_bytes,
         host_bytes_per_token=layers * kv,
-        device_slots=slots,
-        logical_capacity=logical,
-        requests_by_slots=by_slots,
-        requests_by_logical=by_logical,
-        max_requests_hisparse=min(by_slots, by_logical),
-        max_requests_baseline=budget // baseline_per_token // context,
+        device_slots=pools.sizing.device_slots,
+        logical_capacity=pools.sizing.logical_capacity,
+        requests_by_slots=pools.by_slots,
+        requests_by_logical=pools.by_logical,
+        max_requests_hisparse=pools.hisparse,
+        max_requests_baseline=pools.baseline,
         kv_pools=dp * (num_gpus // tp),
         num_gpus=num_gpus,
-        host_bytes_per_gpu=host_per_gpu,
+        host_bytes_per_gpu=pools.sizing.host_bytes,
     )
     if host_memory_gb is not None and plan.host_bytes_total > host_memory_gb * GIB:
         raise PlanError(
             f"host pools need {plan.host_bytes_total / GIB:.1f} GiB ({num_gpus} x "
-            f"{host_per_gpu / GIB:.1f} GiB) but --host-memory-gb is {host_memory_gb}; "
+            f"{plan.host_bytes_per_gpu / GIB:.1f} GiB) but --host-memory-gb is {host_memory_gb}; "
             f"lower host_to_device_ratio or --mem-fraction-static"
         )
     return plan
