@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hisparse.bench import index_scores, missrate, swap_in, swap_in_cuda
-from hisparse.engine import topk_trace
+from hisparse.tools import topk_trace
 
 BIG = str(10**12)
 
