@@ -12,6 +12,7 @@ from pathlib import Path
 from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.errors import RequestError
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling_params import SamplingParams
@@ -103,21 +104,27 @@ class LLMEngine:
         """record_topk: record this request's top-k selections (None = EngineConfig.record_topk)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+                               "sampling_params")
         params.validate()
         if request_id is not None and request_id in self._detokenizers:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+            raise RequestError(f"request_id {request_id!r} is already in use by an unfinished request", "request_id")
         ids = self._prompt_ids(prompt)
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
         request.record_topk = self.config.record_topk if record_topk is None else record_topk
         if request.record_topk and self.config.enable_hisparse:
-            raise ValueError("record_topk records from the baseline cache: record with enable_hisparse off")
+            raise RequestError("record_topk records from the baseline cache: record with enable_hisparse off",
+                               "record_topk")
+        # Blamed on the prompt when it alone leaves no room for a token, else on max_tokens.
         if request.max_total_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's context length of {self.max_model_len} tokens")
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"model's context length of {self.max_model_len} tokens",
+                               "prompt" if len(ids) >= self.max_model_len else "max_tokens", "context_length_exceeded")
         if request.max_total_tokens > self.cache.capacity_tokens:
-            raise ValueError(f"prompt + max_tokens ({request.max_total_tokens} tokens) exceeds the KV cache "
-                             f"capacity of {self.cache.capacity_tokens} tokens; raise the device KV budget")
+            raise RequestError(f"prompt + max_tokens ({request.max_total_tokens} tokens) exceeds the KV cache "
+                               f"capacity of {self.cache.capacity_tokens} tokens; raise the device KV budget",
+                               "prompt" if len(ids) >= self.cache.capacity_tokens else "max_tokens",
+                               "context_length_exceeded")
         self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(request)
         return request
@@ -130,11 +137,12 @@ class LLMEngine:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size}), got {bad[0]}")
+                raise RequestError(f"prompt token ids must be in [0, {self.model.config.vocab_size}), got {bad[0]}",
+                                   "prompt")
         else:
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise RequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise RequestError("prompt must not be empty", "prompt")
         return ids
 
     def abort(self, request_id: str) -> Request | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hisparse.engine.errors import RequestError
+
 
 @dataclass
 class SamplingParams:
@@ -24,7 +26,7 @@ class SamplingParams:
         object may have been changed since (`params.max_tokens = -5` once reached the allocator)."""
         def check(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise RequestError(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         if self.stop is None or isinstance(self.stop, str):
             self.stop = [self.stop] if self.stop else []

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from hisparse.engine.errors import RequestError
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.server.engine_loop import Accepted, Delta, EngineLoop, EngineUnavailable, Failed, RequestStream
 from hisparse.server.protocol import (
@@ -45,7 +46,6 @@ from hisparse.server.protocol import (
 )
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # SGLang's default when a chat request gives no limit
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's names for union members
 
 
@@ -105,12 +105,6 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     code = "invalid_type" if str(error.get("type", "")).endswith("_type") else "invalid_value"
     return APIError(400, f"{param or 'request body'}: {error.get('msg', 'invalid value')} (got {shown})", param,
                     code=code)
-
-
-def _param_of_message(message: str, default: str | None = None) -> str | None:
-    """SamplingParams and the engine start their messages with the field at fault."""
-    word = message.split(" ", 1)[0].strip(",:")
-    return word if word in _SAMPLING_FIELDS else default
 
 
 class _AbortOnCloseResponse(StreamingResponse):
@@ -194,9 +188,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                                   top_p=1.0 if body.top_p is None else body.top_p,
                                   top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=body.stop,
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
-        except ValueError as error:
-            param = _param_of_message(str(error))
-            message = str(error)
+        except RequestError as error:
+            param, message = error.field, str(error)
             if param == "max_tokens" and max_tokens_param != "max_tokens":
                 param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
             raise APIError(400, message, param) from None
@@ -246,15 +239,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         async with abort_on_disconnect(stream, raw):
             event = await next_event(stream)
         if isinstance(event, Failed):
-            param, code = None, None
-            if event.status == 400:
-                # The engine's refusals name the prompt first; blame max_tokens when the prompt alone fits.
-                if "max_tokens" in event.message and len(prompt_ids) < max_model_len:
-                    param = max_tokens_param
-                elif event.message.startswith("prompt"):
-                    param = prompt_param
-                code = "context_length_exceeded" if "exceeds" in event.message else None
-            raise APIError(event.status, event.message, param, code, counted=event.status >= 500)
+            param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(event.field, event.field)
+            raise APIError(event.status, event.message, param, event.code, counted=event.status >= 500)
         assert isinstance(event, Accepted)
         return stream, event.prompt_tokens
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hisparse.engine.errors import RequestError
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.request import Request, RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
@@ -61,6 +62,8 @@ class Delta:
 class Failed:
     status: int  # the HTTP status the handler should answer with
     message: str
+    field: str | None = None  # the engine's name of the field at fault (`RequestError.field`)
+    code: str | None = None
 
 
 Event = Accepted | Delta | Failed
@@ -263,21 +266,24 @@ class EngineLoop:
     def _add(self, command: _Add) -> None:
         try:
             request = self.engine.add_request(command.prompt, command.params, command.request_id)
+        except RequestError as error:
+            self._refuse(command.stream, Failed(400, str(error), error.field, error.code))
+            return
         except ValueError as error:
-            self._refuse(command.stream, 400, str(error))
+            self._refuse(command.stream, Failed(400, str(error)))
             return
         except Exception as error:
             log.exception("engine thread: add_request failed")
-            self._refuse(command.stream, 500, f"internal error: {type(error).__name__}: {error}")
+            self._refuse(command.stream, Failed(500, f"internal error: {type(error).__name__}: {error}"))
             return
         stops = request.params.stop
         self._tracked[request.request_id] = _Tracked(request, command.stream, command.arrival,
                                                      max((len(s) for s in stops), default=1) - 1)
         command.stream.put(Accepted(request.num_prompt_tokens))
 
-    def _refuse(self, stream: RequestStream, status: int, message: str) -> None:
-        stream.put(Failed(status, message))
-        if status >= 500:  # a 4xx is counted once, by the HTTP layer, as a rejected request
+    def _refuse(self, stream: RequestStream, failure: Failed) -> None:
+        stream.put(failure)
+        if failure.status >= 500:  # a 4xx is counted once, by the HTTP layer, as a rejected request
             self.metrics.requests.labels("error").inc()
         self._ended()
 
@@ -339,16 +345,16 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("engine thread: abort after a failed step failed")
-            self._refuse(t.stream, 500, f"internal error while generating: {type(error).__name__}: {error}")
+            self._refuse(t.stream, Failed(500, f"internal error while generating: {type(error).__name__}: {error}"))
 
     def _shutdown(self) -> None:
         pending = [c for c in self._take_commands(block=False, timeout=None) if isinstance(c, _Add)]
         for command in pending:
-            self._refuse(command.stream, 503, "the server is shutting down")
+            self._refuse(command.stream, Failed(503, "the server is shutting down"))
         for request_id, t in list(self._tracked.items()):
             del self._tracked[request_id]
             try:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("engine thread: abort at shutdown failed")
-            self._refuse(t.stream, 503, "the server is shutting down")
+            self._refuse(t.stream, Failed(503, "the server is shutting down"))

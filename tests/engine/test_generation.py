@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hisparse import SamplingParams
 from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.errors import RequestError
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.request import Request
 from hisparse.engine.scheduler import Scheduler
@@ -94,17 +95,20 @@ def test_stop_token_ids_end_generation(llm):
     ({"stop_token_ids": ["x"]}, "stop_token_ids"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(RequestError, match=name) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.field == name
 
 
-def test_invalid_prompts_are_refused(llm):
-    with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], GREEDY)
-    with pytest.raises(ValueError, match="token ids"):
-        llm.generate([[1, 10**9]], GREEDY)
-    with pytest.raises(ValueError, match="context length"):
-        llm.generate([[1] * 8190], SamplingParams(max_tokens=10))
+@pytest.mark.parametrize("prompt, max_tokens, field, code, words", [
+    ([], 4, "prompt", None, "empty"), ([1, 10**9], 4, "prompt", None, "token ids"),
+    ([1] * 8190, 10, "max_tokens", "context_length_exceeded", "context length"),  # the prompt alone would fit
+    ([1] * 8192, 1, "prompt", "context_length_exceeded", "context length"),  # it would not
+])
+def test_invalid_prompts_are_refused_naming_the_field(llm, prompt, max_tokens, field, code, words):
+    with pytest.raises(RequestError, match=words) as refused:
+        llm.generate([prompt], SamplingParams(max_tokens=max_tokens))
+    assert (refused.value.field, refused.value.code) == (field, code)
     assert not llm.engine.has_unfinished
 
 
