@@ -1,8 +1,8 @@
 """Miss rates of the hot-buffer eviction policies on recorded top-k traces, against Belady's optimum.
 
 Each request's trace (per layer, per decode step, the positions the indexer selected; see
-`hisparse.engine.topk_trace`) is replayed through a simulator of one layer's hot buffer with exactly the
-engine's semantics (`hisparse.memory.hisparse_cache`):
+`hisparse.engine.topk_trace`) is replayed through the engine's own CPU swap-in, driven as the HiSparse pools
+drive it (`hisparse.memory.hisparse_pools`):
 
 - while the newest position p is below the buffer size S the buffer holds every token (the fast path:
   no swap-in, no misses, and those steps are not counted);
@@ -13,9 +13,10 @@ engine's semantics (`hisparse.memory.hisparse_cache`):
 - each step loads the selected positions not in the buffer (misses) into slots chosen by the policy
   among those not selected this step.
 
-Online policies (every entry of `EVICTION_POLICIES`) are simulated with numba and must agree with the real
-`swap_in` reference miss for miss (tests/bench/test_missrate.py); `score_lru` reads the positions the
-indexer ranked just below the top-k, which the traces record too (`next_{i}`). Belady's offline optimum
+Online policies (every entry of `EVICTION_POLICIES`) run the engine's kernel, so there is no copy of their
+rules here; the replay agrees with the `swap_in` reference miss for miss (tests/bench/test_missrate.py).
+`score_lru` and `lrfu` read the positions the indexer ranked just below the top-k, which the traces record
+too (`next_{i}`). Belady's offline optimum
 evicts, for each miss, the unselected slot whose position is next selected farthest in the future (per
 layer, per request); with all of a step's selections demanded at once this is still optimal (the usual
 exchange argument), so no online policy beats it.
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from numba import njit, prange
 
 from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_dir, positive_int, run_main
@@ -50,16 +52,21 @@ from hisparse.engine.engine_config import resolve_model_dtype
 from hisparse.engine.topk_trace import TopkTrace, load_topk_trace, save_topk_trace
 from hisparse.formats.sparse_attention import TRACE_NEXT_PER_TOP_K
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.kernels.swap_in_cpu import keep_last_ghosts
-from hisparse.memory.eviction import EVICTION_POLICIES, EvictionPolicy, LRFUPolicy, ScoreLRUPolicy
+from hisparse.memory.eviction import (
+    EVICTION_POLICIES,
+    EvictionPolicy,
+    LRFUPolicy,
+    ScoreLRUPolicy,
+    new_slot_tables,
+    reset_row,
+)
 from hisparse.memory.host_memory import check_fits_in_memory
+from hisparse.memory.swap_in import bound_swap_in
 
 choose_threading_layer()
 
 OPTIMUM = "optimum"
 POLICIES: dict[str, type[EvictionPolicy]] = dict(EVICTION_POLICIES)  # all compared
-POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
-_LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
 CHALLENGERS = (LRFUPolicy.name, ScoreLRUPolicy.name)  # the policies whose share of LRU's gap each row reports
 _NEVER = np.iinfo(np.int32).max  # next use of a position that is not selected again
 DEFAULT_TRACE_DIR = Path.home() / ".cache" / "hisparse" / "traces"
@@ -84,213 +91,6 @@ def _reset(slot_pos, order, pos_slot, state, first, num_slots, held_state):
         pos_slot[first + i] = i
         order[i] = i
         state[i] = held_state
-
-
-@njit(cache=True)
-def _simulate_online(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
-                     rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters, misses):
-    """One layer of one request under an online policy; misses[t] per step, -1 on fast-path steps.
-
-    sel: int [T, K] selected positions (-1 padding; the newest position may be present, it is dropped).
-    nxt: int [T, M] the positions ranked just below them, the best first (score_lru and lrfu read them).
-    The bookkeeping mirrors EvictionPolicy.plan_row and the policies' `choose` rules exactly.
-    """
-    steps, width = sel.shape
-    unit = max(width, 1)  # score_lru's ages count in 1/width of a step
-    spare = max(num_slots - width, 0)
-    context = 1
-    for t in range(steps):
-        context = max(context, seq_lens[t])
-    slot_pos = np.full(num_slots, -1, np.int64)
-    order = np.arange(num_slots).astype(np.int64)
-    new_order = np.empty(num_slots, np.int64)
-    pos_slot = np.full(context, -1, np.int64)
-    state = np.zeros(num_slots, np.int64)  # clock: referenced bit; score_lru: age; lrfu: value
-    age = np.empty(num_slots, np.int64)  # score_lru: this step's ages; lrfu: decayed values
-    credit = np.zeros(num_slots, np.int64)  # lrfu: this step's next-rank credit
-    mark = np.zeros(num_slots, np.uint8)  # 1: hit this step, 2: loaded this step
-    evictable = np.empty(num_slots, np.int64)
-    hits = np.empty(num_slots, np.int64)
-    victims = np.empty(num_slots, np.int64)
-    keys = np.empty(num_slots, np.int64)
-    # lrfu's ghosts: the last S evicted positions and their values, the oldest first (-1: empty), and
-    # where each position's ghost is
-    ghost_pos = np.full((1, num_slots), -1, np.int32)
-    ghost_val = np.zeros((1, num_slots), np.int32)
-    evicted_pos = np.empty(num_slots, np.int32)
-    evicted_val = np.empty(num_slots, np.int32)
-    pos_ghost = np.full(context, -1, np.int64)
-    loaded_val = np.empty(num_slots, np.int64)  # lrfu: each miss's starting value, in miss order
-    live = False
-    for t in range(steps):
-        newest = seq_lens[t] - 1
-        if newest < num_slots:
-            misses[t] = -1
-            continue
-        if not live:
-            _reset(slot_pos, order, pos_slot, state, newest - num_slots, num_slots,
-                   held_age if policy == _SCORE_LRU else 0)
-            live = True
-        n_miss = 0
-        for j in range(width):
-            p = sel[t, j]
-            if p < 0 or p == newest:
-                continue
-            s = pos_slot[p]
-            if s >= 0:
-                mark[s] = 1
-            else:
-                n_miss += 1
-        n_ev = 0
-        n_hit = 0
-        for i in range(num_slots):
-            s = order[i]
-            if mark[s] == 1:
-                hits[n_hit] = s
-                n_hit += 1
-            else:
-                evictable[n_ev] = s
-                n_ev += 1
-        # victims, in miss order
-        if policy == _CLOCK:
-            for i in range(n_hit):
-                state[hits[i]] = 1
-            hand = 0
-            for v in range(n_miss):
-                while True:
-                    s = order[hand]
-                    hand = (hand + 1) % num_slots
-                    if mark[s] != 0:
-                        continue
-                    if state[s] != 0:
-                        state[s] = 0
-                        continue
-                    break
-                victims[v] = s
-                state[s] = 1
-                mark[s] = 2
-        elif policy == _SCORE_LRU or policy == _LRFU:
-            if policy == _SCORE_LRU:
-                for s in range(num_slots):
-                    age[s] = min(state[s] + unit, limit)
-                for j in range(nxt.shape[1]):  # the best rank of a position listed twice wins (min)
-                    p = nxt[t, j]
-                    if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0:
-                        age[pos_slot[p]] = min(age[pos_slot[p]], touch * (j + 1) * spare // unit)
-            else:
-                for s in range(num_slots):
-                    age[s] = state[s] - (state[s] >> decay_shift)
-                    credit[s] = 0
-                span = ranks_per_top_k * unit
-                for j in range(min(nxt.shape[1], span) if rank_bonus > 0 else 0):  # the best rank wins
-                    p = nxt[t, j]
-                    if p >= 0 and pos_slot[p] >= 0 and mark[pos_slot[p]] == 0 and credit[pos_slot[p]] == 0:
-                        credit[pos_slot[p]] = rank_bonus * (span - j) // span
-            sign = -1 if policy == _SCORE_LRU else 1  # score_lru: oldest first; lrfu: lowest credited count first
-            for i in range(n_ev):  # ties in eviction order
-                keys[i] = sign * age[evictable[i]] + (credit[evictable[i]] if policy == _LRFU else 0)
-            ranked = np.argsort(keys[:n_ev], kind="mergesort")
-            for v in range(n_miss):
-                victims[v] = evictable[ranked[v]]
-                mark[victims[v]] = 2
-        else:
-            for v in range(n_miss):
-                victims[v] = evictable[v]
-                mark[victims[v]] = 2
-        # load the misses, in column order; lrfu: a returning ghost's value, the evicted joining the ghosts
-        v = 0
-        n_evicted = 0
-        for j in range(width):
-            p = sel[t, j]
-            if p < 0 or p == newest or pos_slot[p] >= 0:
-                continue
-            s = victims[v]
-            old = slot_pos[s]
-            if policy == _LRFU:
-                g = pos_ghost[p]
-                ghost = np.int64(ghost_val[0, g] - (ghost_val[0, g] >> ghost_shift)) if g >= 0 else 0
-                loaded_val[v] = min(hit + ghost_quarters * ghost // 4, hit << decay_shift)
-                if g >= 0:
-                    ghost_pos[0, g] = -1  # it returns: gone from the ghosts
-                    pos_ghost[p] = -1
-                if old >= 0:
-                    evicted_pos[n_evicted] = old
-                    evicted_val[n_evicted] = age[s]
-                    n_evicted += 1
-            v += 1
-            if old >= 0:
-                pos_slot[old] = -1
-            slot_pos[s] = p
-            pos_slot[p] = s
-        if policy == _LRFU:
-            for g in range(num_slots):
-                if ghost_pos[0, g] >= 0:
-                    pos_ghost[ghost_pos[0, g]] = -1
-            keep_last_ghosts(ghost_pos, ghost_val, 0, ghost_shift, evicted_pos, evicted_val, n_evicted)
-            for g in range(num_slots):
-                if ghost_pos[0, g] >= 0:
-                    pos_ghost[ghost_pos[0, g]] = g
-        # the new order
-        if policy == _LRU or policy == _LRFU:
-            k = 0
-            for i in range(n_ev):
-                if mark[evictable[i]] == 0:
-                    new_order[k] = evictable[i]
-                    k += 1
-            for i in range(n_miss):
-                new_order[k] = victims[i]
-                k += 1
-            for i in range(n_hit):
-                new_order[k] = hits[i]
-                k += 1
-            if policy == _LRFU:  # a hit adds a selection, a loaded slot starts at one (a ghost more)
-                for s in range(num_slots):
-                    state[s] = age[s]
-                for i in range(n_hit):
-                    state[hits[i]] += hit
-                for i in range(n_miss):
-                    state[victims[i]] = loaded_val[i]
-        elif policy == _FIFO:
-            k = 0
-            for i in range(num_slots):
-                if mark[order[i]] != 2:
-                    new_order[k] = order[i]
-                    k += 1
-            for i in range(n_miss):
-                new_order[k] = victims[i]
-                k += 1
-        elif policy == _CLOCK:
-            for i in range(num_slots):
-                new_order[i] = order[(hand + i) % num_slots]
-        else:
-            for i in range(n_hit):
-                age[hits[i]] = 0
-            for i in range(n_miss):
-                age[victims[i]] = min(load_steps * unit, limit)
-            for s in range(num_slots):
-                state[s] = age[s]
-            k = 0  # LRU's order, then a stable sort by descending new age
-            for i in range(n_ev):
-                if mark[evictable[i]] == 0:
-                    new_order[k] = evictable[i]
-                    k += 1
-            for i in range(n_miss):
-                new_order[k] = victims[i]
-                k += 1
-            for i in range(n_hit):
-                new_order[k] = hits[i]
-                k += 1
-            for i in range(num_slots):
-                keys[i] = -state[new_order[i]]
-            ranked = np.argsort(keys, kind="mergesort")
-            for i in range(num_slots):
-                evictable[i] = new_order[ranked[i]]
-            for i in range(num_slots):
-                new_order[i] = evictable[i]
-        for i in range(num_slots):
-            order[i] = new_order[i]
-            mark[i] = 0
-        misses[t] = n_miss
 
 
 @njit(cache=True)
@@ -365,72 +165,104 @@ def _simulate_optimum(sel, seq_lens, num_slots, misses):
 
 
 @njit(parallel=True, cache=True)
-def _simulate_layers(sel, nxt, seq_lens, num_slots, policy, touch, load_steps, limit, held_age, hit, decay_shift,
-                     rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters):
-    """Every layer of one request ([L, T, K]), in parallel; policy -1 is the optimum. Misses [L, T]."""
+def _optimum_layers(sel, seq_lens, num_slots):
+    """Belady's optimum in every layer of one request ([L, T, K]), in parallel. Misses [L, T]."""
     out = np.empty((sel.shape[0], sel.shape[1]), np.int64)
     for layer in prange(sel.shape[0]):
-        if policy < 0:
-            _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
-        else:
-            _simulate_online(sel[layer], nxt[layer], seq_lens, num_slots, policy, touch, load_steps, limit,
-                             held_age, hit, decay_shift, rank_bonus, ranks_per_top_k, ghost_shift, ghost_quarters,
-                             out[layer])
+        _simulate_optimum(sel[layer], seq_lens, num_slots, out[layer])
     return out
 
 
-def make_policy(name: str, num_rows: int, num_slots: int) -> EvictionPolicy:
-    """One layer's policy object, by its name in POLICIES."""
-    return POLICIES[name](num_rows, num_slots)
+def make_policy(name: str, num_rows: int, num_slots: int, **overrides) -> EvictionPolicy:
+    """A policy by its name in POLICIES, for tables of `num_rows` rows, with `simulate`'s overrides of its
+    constants set on it (so that it also says how many runners-up it reads)."""
+    policy = POLICIES[name](num_rows, num_slots)
+    for key, value in overrides.items():
+        attribute = CONSTANT_NAMES[key]
+        if value is not None and hasattr(policy, attribute):
+            setattr(policy, attribute, value)
+    return policy
 
 
-def simulate(trace: TopkTrace, num_slots: int, policy: str, touch: int | None = None,
-             load_steps: int | None = None, next_per_spare: int | None = None,
-             decay_shift: int | None = None, rank_bonus: int | None = None, ghost_decay_shift: int | None = None,
-             ghost_weight_quarters: int | None = None) -> np.ndarray:
-    """Misses per layer and decode step [L, T] of one request's trace; -1 on fast-path steps.
+# simulate()'s keyword overrides -> the policy constants they set (score_lru's first three, lrfu's others)
+CONSTANT_NAMES = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
+                  "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT",
+                  "rank_bonus": "RANK_BONUS", "ghost_decay_shift": "GHOST_DECAY_SHIFT",
+                  "ghost_weight_quarters": "GHOST_WEIGHT_QUARTERS"}
 
-    `policy` is a name in POLICIES or "optimum"; `touch`, `load_steps` and `next_per_spare` override
-    score_lru's TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS and NEXT_RANKS_PER_SPARE_SLOT (the engine passes it
-    NEXT_RANKS_PER_SPARE_SLOT x (num_slots - top_k) next-ranked positions, so the trace must hold at
-    least that many); `decay_shift`, `rank_bonus`, `ghost_decay_shift` and `ghost_weight_quarters` override
-    lrfu's constants of those names (it reads RANKS_PER_TOP_K x top_k next-ranked positions).
-    """
-    if policy != OPTIMUM and policy not in POLICY_CODES:
-        raise ValueError(f"no simulator for eviction policy {policy!r}; known: {', '.join(POLICY_CODES)}, "
-                         f"{OPTIMUM}")
-    sel = np.ascontiguousarray(np.stack(trace.layers).astype(np.int64))
-    seq_lens = np.asarray(trace.seq_lens, dtype=np.int64)
-    code = -1 if policy == OPTIMUM else POLICY_CODES[policy]
-    # The simulated policy with the overrides set on it, so that it says how many runners-up it reads.
-    simulated = None if code < 0 else make_policy(policy, 1, num_slots)
-    overrides = {"TOUCH_AGE_PER_RANK": touch, "LOAD_AGE_STEPS": load_steps, "NEXT_RANKS_PER_SPARE_SLOT": next_per_spare,
-                 "DECAY_SHIFT": decay_shift, "RANK_BONUS": rank_bonus, "GHOST_DECAY_SHIFT": ghost_decay_shift,
-                 "GHOST_WEIGHT_QUARTERS": ghost_weight_quarters}
-    for name, value in overrides.items():
-        if value is not None and hasattr(simulated, name):
-            setattr(simulated, name, value)
-    score = simulated if isinstance(simulated, ScoreLRUPolicy) else ScoreLRUPolicy
-    lrfu = simulated if isinstance(simulated, LRFUPolicy) else LRFUPolicy
-    num_next = 0 if simulated is None else simulated.num_next_ranks(trace.top_k)
-    if num_next:
-        recorded = 0 if trace.next_ranked is None else trace.next_ranked[0].shape[1]
-        if recorded < min(num_next, int(seq_lens.max())):  # fewer columns are fine if they rank every position
+
+def replay(traces: list[TopkTrace], num_slots: int, policy: str, **overrides) -> list[np.ndarray]:
+    """Misses per layer and decode step [L, T] of each request's trace; -1 on fast-path steps.
+
+    An online policy is replayed through the engine's own CPU swap-in (`memory.swap_in.bound_swap_in`), every
+    (request, layer) a row of one set of slot tables, as the engine drives it: a request's row is reset to
+    its last `num_slots` positions at its first step past the buffer (`reset_row`, the engine's take-over),
+    and its newest position is never swapped in (it lives in the reserved slot). "optimum" is Belady's.
+    `overrides` (keys of CONSTANT_NAMES) change the policy's constants, for tuning."""
+    if policy == OPTIMUM:
+        return [_optimum_layers(np.ascontiguousarray(np.stack(t.layers).astype(np.int64)),
+                                np.asarray(t.seq_lens, dtype=np.int64), num_slots) for t in traces]
+    if policy not in POLICIES:
+        raise ValueError(f"no eviction policy {policy!r}; known: {', '.join(POLICIES)}, {OPTIMUM}")
+    unknown = sorted(set(overrides) - set(CONSTANT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown policy constant {unknown[0]!r}; known: {', '.join(CONSTANT_NAMES)}")
+    if len({t.top_k for t in traces}) > 1:
+        raise ValueError("the traces were recorded with different top_k: replay them apart")
+    rows = [(i, layer) for i, t in enumerate(traces) for layer in range(t.num_layers)]
+    chosen = make_policy(policy, len(rows), num_slots, **overrides)
+    num_next = chosen.num_next_ranks(traces[0].top_k)
+    for t in traces if num_next else ():
+        recorded = 0 if t.next_ranked is None else t.next_ranked[0].shape[1]
+        if recorded < min(num_next, int(np.max(t.seq_lens))):  # fewer columns are fine if they rank every position
             raise ValueError(f"{policy} reads {num_next} next-ranked positions per step but the trace "
-                             f"{trace.request_id or ''} holds {recorded}: record it again")
-        nxt = np.ascontiguousarray(np.stack(trace.next_ranked)[:, :, :num_next].astype(np.int64))
-    else:
-        nxt = np.full((sel.shape[0], sel.shape[1], 0), -1, np.int64)
-    return _simulate_layers(sel, nxt, seq_lens, num_slots, code, score.TOUCH_AGE_PER_RANK, score.LOAD_AGE_STEPS,
-                            score.AGE_LIMIT, score.HELD_AGE, lrfu.HIT, lrfu.DECAY_SHIFT, lrfu.RANK_BONUS,
-                            lrfu.RANKS_PER_TOP_K, lrfu.GHOST_DECAY_SHIFT, lrfu.GHOST_WEIGHT_QUARTERS)
+                             f"{t.request_id or ''} holds {recorded}: record it again")
+    context = max(int(np.max(t.seq_lens)) for t in traces)
+    slot_pos, lru = new_slot_tables(len(rows), num_slots)
+    device_rows = torch.arange(num_slots, dtype=torch.int64).repeat(len(rows), 1)
+    host_rows = torch.arange(context, dtype=torch.int64).repeat(len(rows), 1)
+    # One-byte rows: the replay counts misses, the copies only have to be legal.
+    host_kv, device_kv = torch.zeros(context, 1, dtype=torch.uint8), torch.zeros(num_slots, 1, dtype=torch.uint8)
+    swap_in = bound_swap_in("cpu", chosen, slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
+    out = [np.full((t.num_layers, t.num_steps), -1, np.int64) for t in traces]
+    live = np.zeros(len(rows), bool)
+    for step in range(max(t.num_steps for t in traces)):
+        active = []
+        for r, (i, _) in enumerate(rows):
+            t = traces[i]
+            if step >= t.num_steps or t.seq_lens[step] - 1 < num_slots:
+                continue
+            if not live[r]:  # the first step past the buffer: it holds the last num_slots positions
+                newest = int(t.seq_lens[step]) - 1
+                reset_row(slot_pos, lru, r, range(newest - num_slots, newest), chosen)
+                live[r] = True
+            active.append(r)
+        if not active:
+            continue
+        sel = np.stack([traces[i].layers[layer][step] for i, layer in (rows[r] for r in active)]).astype(np.int64)
+        newest = np.array([traces[rows[r][0]].seq_lens[step] - 1 for r in active])
+        sel[sel == newest[:, None]] = -1
+        nxt = None
+        if num_next:
+            nxt = torch.from_numpy(np.ascontiguousarray(np.stack(
+                [traces[i].next_ranked[layer][step, :num_next] for i, layer in (rows[r] for r in active)]
+            ).astype(np.int64)))
+        result = swap_in(torch.from_numpy(sel), torch.tensor(active, dtype=torch.int64), nxt)
+        for r, misses in zip(active, result.misses.tolist(), strict=True):
+            i, layer = rows[r]
+            out[i][layer, step] = misses
+    return out
+
+
+def simulate(trace: TopkTrace, num_slots: int, policy: str, **overrides) -> np.ndarray:
+    """`replay` of one request's trace: misses [L, T]."""
+    return replay([trace], num_slots, policy, **overrides)[0]
 
 
 def misses_per_step_per_layer(traces: list[TopkTrace], num_slots: int, policy: str, **params) -> float:
     """Total misses over total swap-in (non-fast-path) steps x layers, over all requests."""
     total = counted = 0
-    for trace in traces:
-        m = simulate(trace, num_slots, policy, **params)
+    for m in replay(traces, num_slots, policy, **params):
         total += int(m[m >= 0].sum())
         counted += int((m >= 0).sum())
     return total / max(counted, 1)

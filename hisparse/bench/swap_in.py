@@ -54,9 +54,10 @@ from hisparse.cli_args import (
     run_main,
 )
 from hisparse.kernels.numba_threads import choose_threading_layer
-from hisparse.kernels.swap_in import BACKENDS, bound_swap_in
+from hisparse.kernels.swap_in import BACKENDS
 from hisparse.memory.eviction import new_slot_tables, reset_row, resolve_policy
 from hisparse.memory.host_memory import PAGE_KINDS, check_fits_in_memory, host_empty, huge_page_status
+from hisparse.memory.swap_in import bound_swap_in
 
 # The default model (SmolLM2-135M): 3 KV heads of dim 64; one row holds a token's K and V of one layer.
 KV_HEADS, HEAD_DIM = 3, 64

@@ -38,9 +38,10 @@ from hisparse.bench.swap_in import (
     make_top_k,
 )
 from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_file, positive_float, run_main
-from hisparse.kernels.swap_in import TRITON_POLICIES, swap_in
+from hisparse.kernels.swap_in import TRITON_POLICIES
 from hisparse.memory.eviction import get_policy
 from hisparse.memory.host_memory import check_fits_in_memory
+from hisparse.memory.swap_in import swap_in
 
 CHECK_BUFFER, CHECK_TOP_K, CHECK_STEPS = 512, 256, 6
 CHECK_HOST_BYTES = 64 << 20  # each check's host pool

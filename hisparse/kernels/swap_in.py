@@ -1,17 +1,6 @@
-"""Swap-in: bring one decode step's top-k selected tokens of one layer into the hot buffer.
-
-One call handles one layer for the whole decode batch. Per request it classifies the selected
-positions as hits (already in a hot slot) or misses, lets the eviction policy pick a victim slot for
-each miss among the slots not selected this step, updates the slot table and the eviction order in
-place, copies each missed row host -> device, and returns the page table that sparse attention reads.
-A policy that reads the indexer's next-ranked positions (`score_lru`, `lrfu`) gets them as
-`next_ranked`; they are never loaded.
-
-Three implementations share the signature below: `swap_in_reference` (plain Python/PyTorch, the
-definition), `swap_in_cpu` (numba, parallel over requests and over misses) and `swap_in_triton` (one
-program per request, for CUDA; runs on CPU tensors under TRITON_INTERPRET=1). Arguments are checked
-here, once, so the implementations may assume them valid.
-"""
+"""What every swap-in implementation shares: its result, the checks of its arguments, the backends and the
+policies each implements, and the binding of one layer's tables (`memory.swap_in` says what a swap-in does
+and dispatches to an implementation; the compiled ones here see a policy only as a `KernelPolicy`)."""
 
 from __future__ import annotations
 
@@ -20,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.memory.eviction import EvictionPolicy, resolve_policy
+from hisparse.formats.kernel_policy import KernelPolicy
 
 BACKENDS = ("reference", "cpu", "triton", "auto")
 TRITON_POLICIES = ("lru", "fifo", "score_lru", "lrfu")
@@ -35,53 +24,9 @@ class SwapInResult:
     hits: torch.Tensor  # int32 [B]: selected positions that were in the hot buffer already
 
 
-def swap_in(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
-            device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-            device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru", backend: str = "auto",
-            next_ranked: torch.Tensor | None = None) -> SwapInResult:
-    """Swap in one layer's selected tokens for the whole batch; see the module docstring.
-
-    top_k [B, K] int64 (-1 padding), rows [B] int64, slot_pos [R, S] int32 and lru [R, S] int32
-    (updated in place), device_rows [R, S] int64, host_rows [R, C] int64, host_kv [H, W], device_kv
-    [D, W] (written in place). `policy` is a name ("lru", "fifo") or a policy object (needed for
-    stateful ones: `get_policy("clock", num_rows=R, num_slots=S)`, one per layer). `backend`:
-    "reference", "cpu", "triton", or "auto" (triton on CUDA tensors when it supports the policy, the
-    reference otherwise; cpu on CPU tensors). `next_ranked` [B, M] int64 (-1 padding): the positions the
-    indexer ranked just below each request's top_k, the best first (None: no ranks, M = 0).
-    """
-    policy = resolve_policy(policy)
-    if next_ranked is None:
-        next_ranked = torch.empty((top_k.shape[0], 0), dtype=torch.int64, device=top_k.device)
-    check_swap_in_args(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv, next_ranked)
-    backend = resolve_backend(backend, policy, top_k.device)
-    if backend != "cpu":  # the cpu path checks values inside its kernel: a few torch ops cost more
-        check_swap_in_values(top_k, rows, slot_pos.shape, host_rows.shape[1], next_ranked)
-    return _implementation(backend)(top_k, rows, slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
-                                    policy=policy, next_ranked=next_ranked)
-
-
-def bound_swap_in(backend: str, policy: EvictionPolicy, slot_pos: torch.Tensor, lru: torch.Tensor,
-                  device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                  device_kv: torch.Tensor, totals: torch.Tensor | None = None) -> BoundSwapIn:
-    """One layer's swap-in with its tables, pools, policy and counters bound; see `BoundSwapIn`. `totals`:
-    int64 [3] on the tables' device, where `page_table` adds each step's (hits, misses, evictions) (None: a
-    tensor of its own, for a caller that does not count).
-
-    For a caller that builds every argument itself and calls each layer's swap-in every decode step (the
-    HiSparse pools): `swap_in`'s per-call checks of types, shapes and devices were a quarter of a call at
-    batch 1, and the cpu backend makes its numpy views of the bound tensors once (a third of its Python
-    time at batch 8)."""
-    name = resolve_backend(backend, policy, slot_pos.device)
-    if name == "cpu":
-        from hisparse.kernels.swap_in_cpu import BoundCpuSwapIn
-
-        return BoundCpuSwapIn(slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy, totals)
-    return BoundSwapIn(_implementation(name), policy, slot_pos, lru, device_rows, host_rows, host_kv, device_kv,
-                       totals)
-
-
 class BoundSwapIn:
-    """`swap_in` of one backend with one layer's tables, pools and policy bound.
+    """`memory.swap_in.swap_in` of one backend with one layer's tables, pools and policy bound (the policy as
+    its implementation takes it: an `EvictionPolicy` for the reference, a `KernelPolicy` for a kernel).
 
     `self(top_k, rows, next_ranked=None)` is the kernel's contract. `page_table` is the swap-in as a
     decode step uses it: each request's newest position is never swapped in but read from its reserved
@@ -91,7 +36,7 @@ class BoundSwapIn:
     layer's weights just flushed, about 10 us apiece.
     """
 
-    def __init__(self, implementation: Callable[..., SwapInResult], policy: EvictionPolicy, slot_pos: torch.Tensor,
+    def __init__(self, implementation: Callable[..., SwapInResult], policy: object, slot_pos: torch.Tensor,
                  lru: torch.Tensor, device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
                  device_kv: torch.Tensor, totals: torch.Tensor | None = None) -> None:
         self.implementation = implementation
@@ -115,36 +60,31 @@ class BoundSwapIn:
         return torch.where(is_newest, reserved.unsqueeze(1), result.page_table)
 
 
-def resolve_backend(backend: str, policy: EvictionPolicy, device: torch.device) -> str:
+def resolve_backend(backend: str, policy: str, device: torch.device) -> str:
     """The concrete backend for `backend` ("auto" included), or a ValueError saying why none fits."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-in backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type == "cuda":
-            return "triton" if policy.name in TRITON_POLICIES else "reference"
-        return "cpu" if policy.name in CPU_POLICIES else "reference"
+            return "triton" if policy in TRITON_POLICIES else "reference"
+        return "cpu" if policy in CPU_POLICIES else "reference"
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu swap-in backend needs CPU tensors, got {device}")
-    if backend == "triton" and policy.name not in TRITON_POLICIES:
-        raise ValueError(
-            f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, not {policy.name!r}"
-        )
+    if backend == "triton" and policy not in TRITON_POLICIES:
+        raise ValueError(f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, not {policy!r}")
     return backend
 
 
-def _implementation(backend: str) -> Callable[..., SwapInResult]:
-    """Imported lazily: triton is a development dependency, and the kernels import this module."""
-    if backend == "reference":
-        from hisparse.kernels.swap_in_reference import swap_in_reference
-
-        return swap_in_reference
-    if backend == "cpu":
-        from hisparse.kernels.swap_in_cpu import swap_in_cpu
-
-        return swap_in_cpu
-    from hisparse.kernels.swap_in_triton import swap_in_triton
-
-    return swap_in_triton
+def kernel_scalars(policy: KernelPolicy) -> tuple[int, int, int, int, int, int]:
+    """The six scalars the compiled kernels take for a policy's constants, in their calling convention:
+    score_lru's (touch_age_per_rank, load_age_steps, age_limit, 0, 0, 0); lrfu's (hit, decay_shift,
+    rank_bonus, ranks_per_top_k, ghost_decay_shift, ghost_weight_quarters); zeros for the others."""
+    c = policy.constants
+    if policy.name == "score_lru":
+        return c.touch_age_per_rank, c.load_age_steps, c.age_limit, 0, 0, 0
+    if policy.name == "lrfu":
+        return c.hit, c.decay_shift, c.rank_bonus, c.ranks_per_top_k, c.ghost_decay_shift, c.ghost_weight_quarters
+    return 0, 0, 0, 0, 0, 0
 
 
 def check_swap_in_args(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,

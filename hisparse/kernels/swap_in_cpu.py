@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from hisparse.formats.kernel_policy import KernelPolicy
 from hisparse.kernels.numba_threads import on_torch_team
 from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2, prefetch_to_l2
 from hisparse.kernels.streaming_store import copy_row_past_caches, rows_can_stream, store_fence
@@ -57,10 +58,10 @@ from hisparse.kernels.swap_in import (
     ROW_TWICE,
     TOO_MANY_SELECTED,
     SwapInResult,
+    kernel_scalars,
     raise_value_error,
 )
 from hisparse.kernels.work_claim import claim
-from hisparse.memory.eviction import EvictionPolicy, resolve_policy
 
 POLICY_CODES = {"lru": 0, "fifo": 1, "clock": 2, "score_lru": 3, "lrfu": 4}
 _LRU, _FIFO, _CLOCK, _SCORE_LRU, _LRFU = 0, 1, 2, 3, 4
@@ -86,7 +87,7 @@ _COPY_CHUNK = 256  # rows per claimed chunk of a parallel copy: many per thread,
 
 def swap_in_cpu(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                 device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
+                device_kv: torch.Tensor, *, policy: KernelPolicy = KernelPolicy("lru"),
                 next_ranked: torch.Tensor | None = None) -> SwapInResult:
     return BoundCpuSwapIn(slot_pos, lru, device_rows, host_rows, host_kv, device_kv, policy)(top_k, rows, next_ranked)
 
@@ -100,20 +101,20 @@ class BoundCpuSwapIn:
     """
 
     def __init__(self, slot_pos: torch.Tensor, lru: torch.Tensor, device_rows: torch.Tensor, host_rows: torch.Tensor,
-                 host_kv: torch.Tensor, device_kv: torch.Tensor, policy: str | EvictionPolicy = "lru",
+                 host_kv: torch.Tensor, device_kv: torch.Tensor, policy: KernelPolicy = KernelPolicy("lru"),
                  totals: torch.Tensor | None = None) -> None:
-        policy = resolve_policy(policy)
         if policy.name not in POLICY_CODES:
             raise ValueError(f"the cpu swap-in backend implements {', '.join(POLICY_CODES)}, not {policy.name!r}")
         self.code = POLICY_CODES[policy.name]
         self.table_shape = tuple(slot_pos.shape)
         self.context = host_rows.shape[1]  # positions must fall in [0, context)
-        ghosts = policy.kernel_ghosts() or _NO_GHOSTS
+        def given(tensor: torch.Tensor | None, none: torch.Tensor) -> np.ndarray:
+            return (none if tensor is None else tensor).numpy()
+
         self.tables = (slot_pos.numpy(), lru.numpy(), device_rows.numpy(), host_rows.numpy(),
-                       policy.state.get("referenced", _NO_REFERENCED).numpy(),
-                       _NO_AGE.numpy() if policy.kernel_state() is None else policy.kernel_state().numpy(),
-                       ghosts[0].numpy(), ghosts[1].numpy())
-        self.constants = policy.kernel_constants()  # score_lru's or lrfu's; the other policies ignore them
+                       given(policy.referenced, _NO_REFERENCED), given(policy.values, _NO_AGE),
+                       given(policy.ghost_pos, _NO_GHOSTS[0]), given(policy.ghost_value, _NO_GHOSTS[1]))
+        self.constants = kernel_scalars(policy)  # score_lru's or lrfu's; the other policies ignore them
         self.host_words, self.device_words = _as_words(host_kv), _as_words(device_kv)
         # A copy big enough for the parallel loop streams its rows past the caches, where the rows allow it
         # (see the module docstring).

@@ -28,15 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.kernels.swap_in import TRITON_POLICIES, SwapInResult
-from hisparse.memory.eviction import EvictionPolicy, resolve_policy
+from hisparse.formats.kernel_policy import KernelPolicy
+from hisparse.kernels.swap_in import TRITON_POLICIES, SwapInResult, kernel_scalars
 
 
 def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tensor, lru: torch.Tensor,
                    device_rows: torch.Tensor, host_rows: torch.Tensor, host_kv: torch.Tensor,
-                   device_kv: torch.Tensor, *, policy: str | EvictionPolicy = "lru",
+                   device_kv: torch.Tensor, *, policy: KernelPolicy = KernelPolicy("lru"),
                    next_ranked: torch.Tensor | None = None) -> SwapInResult:
-    policy = resolve_policy(policy)
     if policy.name not in TRITON_POLICIES:
         raise ValueError(f"the triton swap-in backend implements {', '.join(TRITON_POLICIES)}, "
                          f"not {policy.name!r}")
@@ -58,10 +57,8 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
     if next_ranked is None or not sorts:
         next_ranked = torch.empty((batch, 0), dtype=torch.int64, device=device)
     num_next = next_ranked.shape[1]
-    state = policy.kernel_state()
-    age = torch.zeros((1, 1), dtype=torch.int32, device=device) if state is None else state
-    ghosts = policy.kernel_ghosts()
-    ghost_pos, ghost_value = ghosts if ghosts is not None else (
+    age = torch.zeros((1, 1), dtype=torch.int32, device=device) if policy.values is None else policy.values
+    ghost_pos, ghost_value = (policy.ghost_pos, policy.ghost_value) if policy.ghost_pos is not None else (
         torch.full((1, 1), -1, dtype=torch.int32, device=device), torch.zeros((1, 1), dtype=torch.int32, device=device))
     block_s = triton.next_power_of_2(num_slots)
     block_k = triton.next_power_of_2(max(width, 1))
@@ -84,7 +81,7 @@ def swap_in_triton(top_k: torch.Tensor, rows: torch.Tensor, slot_pos: torch.Tens
         page_table, misses, evictions, hits, lookup, hit_flags, by_rank, miss_src, miss_dst,
         next_ranked, age, touch, aged, placed, ghost_pos, ghost_value, returned,
         width, num_slots, context, words, num_next,
-        *policy.kernel_constants(),
+        *kernel_scalars(policy),
         FIFO=policy.name == "fifo", SCORE_LRU=score_lru, LRFU=lrfu, SORTS=sorts, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_M=triton.next_power_of_2(max(num_next, 1)), BLOCK_W=min(triton.next_power_of_2(words), 1024),
     )
@@ -112,9 +109,9 @@ def _swap_in_kernel(top_k_ptr, rows_ptr, slot_pos_ptr, lru_ptr, device_rows_ptr,
                     K, S, C, WORDS, M, CONST0, CONST1, CONST2, CONST3, CONST4, CONST5,
                     FIFO: tl.constexpr, SCORE_LRU: tl.constexpr, LRFU: tl.constexpr, SORTS: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
-    # The policy's kernel_constants: score_lru's (TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0, 0, 0),
-    # lrfu's (HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K, GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS).
-    # `age_ptr` is its kernel_state: score_lru's ages, lrfu's counts; `ghost_*_ptr` lrfu's ghosts.
+    # The policy's constants as `kernel_scalars` orders them: score_lru's (touch_age_per_rank, load_age_steps,
+    # age_limit, 0, 0, 0), lrfu's (hit, decay_shift, rank_bonus, ranks_per_top_k, ghost_decay_shift,
+    # ghost_weight_quarters). `age_ptr` is its `values`: score_lru's ages, lrfu's counts; `ghost_*_ptr` lrfu's ghosts.
     touch_age_per_rank = CONST0
     load_age_steps = CONST1
     age_limit = CONST2

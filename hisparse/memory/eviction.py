@@ -21,8 +21,9 @@ uses them as evidence of what the next steps will select. The others ignore them
 a history of its own per row, as [R, S] tables: `lrfu`'s decayed selection count of each slot, and its
 ghosts (a list of the last S tokens evicted and their counts).
 
-`EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in and
-by tests; the CPU and Triton kernels implement the same rules and are tested against it.
+`EvictionPolicy.plan_row` is the plain-Python statement of a policy, used by the reference swap-in
+(`memory.swap_in_reference`) and by tests; the CPU and Triton kernels implement the same rules, reading a
+policy only through `kernel_view`, and are tested against it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+
+from hisparse.formats.kernel_policy import KernelPolicy, PolicyConstants
 
 
 @dataclass
@@ -53,8 +56,8 @@ class EvictionPolicy(ABC):
     or lrfu's ghost list) in `state_names` (an entry's value for an empty row in `state_fill`, 0 if not
     listed), make it in `__init__` as int tensors of shape [num_rows, num_slots] in `self.state`, and
     return its new row values from `choose`.
-    A policy the cpu and Triton kernels also implement hands them its int32 state and its constants
-    through `kernel_state`, `kernel_ghosts` and `kernel_constants`.
+    A policy the cpu and Triton kernels also implement hands them its state and its constants through
+    `kernel_view` (`formats.kernel_policy.KernelPolicy`): the kernels import nothing of this module.
     """
 
     name: ClassVar[str]
@@ -80,20 +83,10 @@ class EvictionPolicy(ABC):
         """How many positions ranked below the top-k the policy wants per swap-in (0: it ignores them)."""
         return 0
 
-    def kernel_state(self) -> torch.Tensor | None:
-        """The one int32 per-slot state the cpu and Triton kernels read and write (score_lru's ages,
-        lrfu's counts); None for a policy with none (clock's bits are the cpu kernel's own case)."""
-        return None
-
-    def kernel_ghosts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The int32 (positions, values) of recently evicted tokens the kernels keep for this policy
-        (lrfu's), None for a policy that keeps none."""
-        return None
-
-    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
-        """The six integers the cpu and Triton kernels read for this policy (what each means is the
-        policy's own: see its override)."""
-        return (0, 0, 0, 0, 0, 0)
+    def kernel_view(self) -> KernelPolicy:
+        """What the compiled swap-in kernels read of this policy: its name, constants and state tensors
+        (the same tensors, which the kernels update in place)."""
+        return KernelPolicy(self.name, referenced=self.state.get("referenced"))
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Forget a row's history, for a new request or a rebuilt buffer whose slots 0..num_held-1 hold
@@ -257,12 +250,10 @@ class ScoreLRUPolicy(EvictionPolicy):
     def num_next_ranks(self, top_k: int) -> int:
         return self.NEXT_RANKS_PER_SPARE_SLOT * max(self.num_slots - top_k, 0)
 
-    def kernel_state(self) -> torch.Tensor:
-        return self.state["age"]
-
-    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
-        """(TOUCH_AGE_PER_RANK, LOAD_AGE_STEPS, AGE_LIMIT, 0, 0, 0)."""
-        return self.TOUCH_AGE_PER_RANK, self.LOAD_AGE_STEPS, self.AGE_LIMIT, 0, 0, 0
+    def kernel_view(self) -> KernelPolicy:
+        constants = PolicyConstants(touch_age_per_rank=self.TOUCH_AGE_PER_RANK, load_age_steps=self.LOAD_AGE_STEPS,
+                                    age_limit=self.AGE_LIMIT)
+        return KernelPolicy(self.name, constants, values=self.state["age"])
 
     def reset_row(self, row: int, num_held: int = 0) -> None:
         """Held slots start at `HELD_AGE`: the prompt tail a reset loads was never selected, so any slot
@@ -377,17 +368,14 @@ class LRFUPolicy(EvictionPolicy):
                              f"GHOST_WEIGHT_QUARTERS ({self.GHOST_WEIGHT_QUARTERS}) in [0, 8]")
         return self.HIT, self.DECAY_SHIFT
 
-    def kernel_state(self) -> torch.Tensor:
-        return self.state["value"]
-
-    def kernel_ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.state["ghost_pos"], self.state["ghost_value"]
-
-    def kernel_constants(self) -> tuple[int, int, int, int, int, int]:
-        """(HIT, DECAY_SHIFT, RANK_BONUS, RANKS_PER_TOP_K, GHOST_DECAY_SHIFT, GHOST_WEIGHT_QUARTERS),
-        checked by `constants`."""
-        return (*self.constants(), self.RANK_BONUS, self.RANKS_PER_TOP_K, self.GHOST_DECAY_SHIFT,
-                self.GHOST_WEIGHT_QUARTERS)
+    def kernel_view(self) -> KernelPolicy:
+        """The constants checked by `constants`."""
+        hit, decay_shift = self.constants()
+        constants = PolicyConstants(hit=hit, decay_shift=decay_shift, rank_bonus=self.RANK_BONUS,
+                                    ranks_per_top_k=self.RANKS_PER_TOP_K, ghost_decay_shift=self.GHOST_DECAY_SHIFT,
+                                    ghost_weight_quarters=self.GHOST_WEIGHT_QUARTERS)
+        return KernelPolicy(self.name, constants, values=self.state["value"], ghost_pos=self.state["ghost_pos"],
+                            ghost_value=self.state["ghost_value"])
 
     def rank_credit(self, rank: int, width: int) -> int:
         """The key credit of a slot whose position is ranked `rank` (1 for the best) below the top-k."""

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from hisparse.formats.index_key import IndexKeyFormat
-from hisparse.kernels.swap_in import bound_swap_in
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.host_memory import GIB, available_host_memory, host_empty
 from hisparse.memory.indexer_cache import IndexerKeyCache
 from hisparse.memory.slot_allocator import SlotAllocator
+from hisparse.memory.swap_in import bound_swap_in
 
 
 @dataclass

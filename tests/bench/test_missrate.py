@@ -1,5 +1,6 @@
-"""The miss-rate benchmark: its simulator agrees with the real swap-in, Belady's optimum is a lower bound,
-and the CLI runs end to end on a synthetic trace."""
+"""The miss-rate benchmark: its replay (the engine's CPU swap-in, many requests and layers at once) agrees with
+the swap-in reference driven one request and layer at a time, Belady's optimum is a lower bound, and the CLI
+runs end to end on a synthetic trace."""
 
 from __future__ import annotations
 
@@ -15,21 +16,16 @@ from hisparse.bench.missrate import (
     CHALLENGERS,
     OPTIMUM,
     POLICIES,
-    POLICY_CODES,
     main,
     make_policy,
+    replay,
     simulate,
     synthetic_trace,
 )
 from hisparse.engine.topk_trace import TopkTrace
-from hisparse.kernels.swap_in import swap_in
 from hisparse.memory.eviction import EVICTION_POLICIES, new_slot_tables, reset_row
+from hisparse.memory.swap_in import swap_in
 
-# simulate()'s names for score_lru's and lrfu's constants -> the policy's attributes
-POLICY_PARAMS = {"touch": "TOUCH_AGE_PER_RANK", "load_steps": "LOAD_AGE_STEPS",
-                 "next_per_spare": "NEXT_RANKS_PER_SPARE_SLOT", "decay_shift": "DECAY_SHIFT",
-                 "rank_bonus": "RANK_BONUS", "ghost_decay_shift": "GHOST_DECAY_SHIFT",
-                 "ghost_weight_quarters": "GHOST_WEIGHT_QUARTERS"}
 SCORE_LRU = "score_lru"
 
 
@@ -42,9 +38,7 @@ def engine_replay(trace: TopkTrace, num_slots: int, policy_name: str, **params: 
     out = np.full((trace.num_layers, trace.num_steps), -1)
     for layer in range(trace.num_layers):
         slot_pos, lru = new_slot_tables(1, num_slots)
-        policy = make_policy(policy_name, 1, num_slots)
-        for key, value in params.items():  # the policy's constants, as simulate() takes them
-            setattr(policy, POLICY_PARAMS[key], value)
+        policy = make_policy(policy_name, 1, num_slots, **params)
         num_next = policy.num_next_ranks(trace.top_k)
         device_rows = torch.arange(num_slots).view(1, -1)
         host_rows = torch.arange(context).view(1, -1)
@@ -92,13 +86,22 @@ def random_trace(seed: int, num_layers: int, start: int, steps: int, top_k: int,
     return TopkTrace(layers, seq_lens, top_k, next_ranked=following)
 
 
-def test_every_policy_has_a_simulator():
-    assert set(EVICTION_POLICIES) == set(POLICIES) == set(POLICY_CODES)
+def test_every_policy_is_replayed():
+    assert set(EVICTION_POLICIES) == set(POLICIES)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_requests_replayed_together_miss_as_each_replayed_alone(policy):
+    """One replay holds every request's every layer as rows of one set of tables: no row may touch another's."""
+    traces = [random_trace(seed, 2, start, 12, 8, 0.6) for seed, start in ((1, 20), (2, 30), (3, 12))]
+    together = replay(traces, 16, policy)
+    for trace, misses in zip(traces, together, strict=True):
+        np.testing.assert_array_equal(misses, engine_replay(trace, 16, policy))
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("num_slots", [16, 24, 40])
-def test_simulator_matches_swap_in_reference_miss_for_miss(policy, num_slots):
+def test_replay_matches_swap_in_reference_miss_for_miss(policy, num_slots):
     # The context starts below the 24- and 40-slot buffers: fast path, then the switch to swap-in.
     trace = synthetic_trace(seed=num_slots, num_layers=2, context=20, steps=40, top_k=16, sinks=2, window=4)
     expected = engine_replay(trace, num_slots, policy)
@@ -106,14 +109,14 @@ def test_simulator_matches_swap_in_reference_miss_for_miss(policy, num_slots):
     np.testing.assert_array_equal(simulate(trace, num_slots, policy), expected)
 
 
-def test_simulator_matches_swap_in_on_random_selections():
+def test_replay_matches_swap_in_on_random_selections():
     trace = random_trace(3, num_layers=2, start=30, steps=25, top_k=12, keep=0.6)
     for policy in POLICIES:
         np.testing.assert_array_equal(simulate(trace, 18, policy), engine_replay(trace, 18, policy))
 
 
 @pytest.mark.parametrize(("touch", "load_steps", "next_per_spare"), [(1, 0, 1), (4, 1, 2), (16, 4, 2), (2, 2, 0)])
-def test_simulator_matches_swap_in_for_score_lru_constants(touch, load_steps, next_per_spare):
+def test_replay_matches_swap_in_for_score_lru_constants(touch, load_steps, next_per_spare):
     params = {"touch": touch, "load_steps": load_steps, "next_per_spare": next_per_spare}
     trace = synthetic_trace(seed=7, num_layers=2, context=60, steps=30, top_k=16, sinks=2, window=4)
     for num_slots in (16, 28):
@@ -130,7 +133,7 @@ def test_score_lru_without_ranks_or_load_age_is_lru_on_traces():
 
 @pytest.mark.parametrize(("decay_shift", "rank_bonus", "ghost_decay_shift", "ghost_weight_quarters"),
                          [(1, 0, 1, 0), (3, 1 << 16, 2, 4), (5, 4 << 16, 3, 6), (6, 9 << 16, 5, 8)])
-def test_simulator_matches_swap_in_for_lrfu_decays(decay_shift, rank_bonus, ghost_decay_shift, ghost_weight_quarters):
+def test_replay_matches_swap_in_for_lrfu_decays(decay_shift, rank_bonus, ghost_decay_shift, ghost_weight_quarters):
     """Decays, rank credits (0: plain LRFU; the trace lists 4 x top_k runners-up, the policy reads 2 x) and
     ghosts (weight 0: none count), on a trace whose evicted tokens come back (the test asserts they do)."""
     trace = random_trace(11, num_layers=2, start=30, steps=25, top_k=12, keep=0.7)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hisparse.bench import swap_in_cuda
-from hisparse.kernels.swap_in import swap_in as real_swap_in
+from hisparse.memory.swap_in import swap_in as real_swap_in
 
 
 def test_check_and_timing_run_through_the_interpreter(tmp_path, capsys):

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from hisparse.kernels import swap_in_cpu
 from hisparse.kernels.streaming_store import rows_can_stream
-from hisparse.kernels.swap_in import SwapInResult, bound_swap_in, swap_in
+from hisparse.kernels.swap_in import SwapInResult
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
+from hisparse.memory.swap_in import bound_swap_in, swap_in
 
 if not torch.cuda.is_available():
     # Before the Triton kernel module is first imported (the dispatcher imports it lazily).
