@@ -56,9 +56,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     dtype = torch.promote_types(q.dtype, k.dtype)
     k, v = k.to(dtype), v.to(dtype)
     qg = q.to(dtype).view(b, hkv, hq // hkv, d)
-    # An all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an additive
-    # float one on every call.
-    attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]
+    # On the CPU an all-true mask (equal lengths, or a full top-k) is dropped: SDPA turns a boolean mask into an
+    # additive float one on every call. On a GPU finding out would wait for the device, once per layer.
+    drop = mask is None or (mask.device.type == "cpu" and bool(mask.all()))
+    attn_mask = None if drop else mask[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                                          scale=scale)
     return out.reshape(b, hq, dv).to(q.dtype)

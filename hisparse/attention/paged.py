@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +32,13 @@ from hisparse.memory.slot_allocator import SlotAllocator
 
 @dataclass
 class PagedAllocation:
-    slots: torch.Tensor  # int64 [max_total_tokens]: pool row of each position
-    index_slots: torch.Tensor | None = None  # int64 [max_total_tokens]: indexer-key slot of each position
+    """A request's rows, as the allocators gave them (numpy, to give back) and on the cache's device (where a
+    step's metadata is built from them)."""
+
+    given: np.ndarray  # pool row of each position
+    given_index: np.ndarray | None  # indexer-key slot of each position
+    slots: torch.Tensor  # int64 [max_total_tokens] on the device: `given`
+    index_slots: torch.Tensor | None = None  # int64 [max_total_tokens] on the device: `given_index`
 
 
 class PagedKVCache:
@@ -40,6 +46,7 @@ class PagedKVCache:
                  sparse: SparseAttention | None = None) -> None:
         self.layout = layout
         self.scale = scale
+        self.device = torch.device(device)
         self.kv = torch.zeros(layout.num_layers, num_slots, layout.row_width, dtype=layout.row_dtype,
                               device=device)
         self.allocator = SlotAllocator(num_slots)
@@ -73,14 +80,16 @@ class PagedKVCache:
 
     def admit(self, request: BatchedRequest) -> None:
         n = request.max_total_tokens
-        index_slots = None if self.index_cache is None else torch.from_numpy(self.index_cache.allocator.allocate(n))
-        request.kv = PagedAllocation(torch.from_numpy(self.allocator.allocate(n)), index_slots)
+        given = self.allocator.allocate(n)
+        given_index = None if self.index_cache is None else self.index_cache.allocator.allocate(n)
+        request.kv = PagedAllocation(given, given_index, torch.from_numpy(given).to(self.device),
+                                     None if given_index is None else torch.from_numpy(given_index).to(self.device))
 
     def release(self, request: BatchedRequest) -> None:
         if request.kv is not None:
-            self.allocator.free(request.kv.slots.numpy())
-            if request.kv.index_slots is not None:
-                self.index_cache.allocator.free(request.kv.index_slots.numpy())
+            self.allocator.free(request.kv.given)
+            if request.kv.given_index is not None:
+                self.index_cache.allocator.free(request.kv.given_index)
             request.kv = None
 
     def bind(self, batch: ForwardBatch) -> PagedAttention:
@@ -109,11 +118,12 @@ class PagedAttention:
             self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
         self.trace_steps = {}
         if self.decode:
-            self.decode_lengths = torch.tensor([s.end for s in self.decode])
+            on_device = {"device": cache.device}
+            self.decode_lengths = torch.tensor([s.end for s in self.decode], **on_device)
             width = int(self.decode_lengths.max())
             self.decode_rows = torch.stack([  # -1: past a request's length
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
-            self.decode_offsets = torch.tensor([s.offset for s in self.decode])
+            self.decode_offsets = torch.tensor([s.offset for s in self.decode], **on_device)
             if cache.index_cache is not None:
                 self.decode_index_slots = torch.stack([
                     F.pad(s.request.kv.index_slots[:s.end], (0, width - s.end)) for s in self.decode])
@@ -144,7 +154,7 @@ class PagedAttention:
             if sparse is not None and sparse.sparse_prefill_in(layer):
                 selection = self.selection.chunk(layer, chunk, rows_of(index_q, sl), rows_of(index_w, sl),
                                                  span.request.kv.index_slots[:span.end],
-                                                 torch.arange(span.start, span.end))
+                                                 torch.arange(span.start, span.end, device=cache.device))
             out[sl] = attend_prompt(pool, span.request.kv.slots[:span.end], q[sl], cache.scale, layout, selection)
         if self.decode:
             rows = self.decode_rows
@@ -154,9 +164,9 @@ class PagedAttention:
                 selected, following = self.selection.decode(
                     layer, rows_of(index_q, self.decode_offsets), rows_of(index_w, self.decode_offsets),
                     self.decode_index_slots, self.decode_lengths, num_next)
-                for b, step in self.trace_steps.items():
-                    step["layers"][layer] = selected[b].to(torch.int32).numpy()
-                    step["next"][layer] = following[b].to(torch.int32).numpy()
+                for b, step in self.trace_steps.items():  # a recording step waits for the device, per layer
+                    step["layers"][layer] = selected[b].to(torch.int32).cpu().numpy()
+                    step["next"][layer] = following[b].to(torch.int32).cpu().numpy()
                 if selects:
                     rows = torch.where(selected >= 0, rows.gather(1, selected.clamp(min=0)), -1)
             out[self.decode_offsets] = attend_rows(pool, rows, q[self.decode_offsets], cache.scale, layout)

@@ -64,7 +64,7 @@ class LLMEngine:
                                  f"{error.strerror}") from None
         budget = self.config.kv_budget_before_weights()
         self.cache = None if budget is None else self._new_cache(layout, sparse, budget, mc.attention_scale)
-        self.model = model if model is not None else files.load(model_dtype)
+        self.model = model if model is not None else files.load(model_dtype, self.config.device)
         if self.cache is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.cache = self._new_cache(layout, sparse, self.config.resolved_kv_budget(weight_bytes),

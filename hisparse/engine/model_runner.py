@@ -14,13 +14,16 @@ class ModelRunner:
     def __init__(self, model, cache) -> None:
         self.model = model
         self.cache = cache
+        self.device = torch.device(cache.device)  # where the weights and the cache are
         self.forward_seconds = 0.0
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> list[int]:
+        """The step's tokens go to the device once; the sampled tokens come back once (the step's one wait for
+        the device, besides those listed where they are: a DSA model's MoE counts its tokens per expert)."""
         start = time.perf_counter()
         backend = self.cache.bind(batch)
-        hidden = self.model(batch.input_ids, batch.positions, backend)
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), backend)
+        logits = self.model.compute_logits(hidden[batch.sample_indices.to(self.device)])
         self.forward_seconds += time.perf_counter() - start
         return sample(logits.float(), [s.request for s in batch.sample_spans])

@@ -74,6 +74,7 @@ class MoE(nn.Module):
         k = ids.shape[1]
         order = ids.flatten().argsort(stable=True)
         token = order // k
+        # The one wait for the device in a layer's step: each expert's token count decides the slices.
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         grouped = x[token]
         y = torch.empty_like(grouped)

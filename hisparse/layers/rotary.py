@@ -17,7 +17,8 @@ def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin table for positions [0, max_positions), built once in float64 then cast."""
+    """cos/sin table for positions [0, max_positions), built once in float64 then cast; copied once to each
+    device that asks for positions there."""
 
     def __init__(self, dim: int, max_positions: int, theta: float, inv_freq: torch.Tensor | None = None,
                  attention_scale: float = 1.0) -> None:
@@ -26,10 +27,16 @@ class RotaryEmbedding:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv.cpu())
         self.cos = (freqs.cos() * attention_scale).float()
         self.sin = (freqs.sin() * attention_scale).float()
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [*positions.shape, dim/2]."""
-        return self.cos[positions], self.sin[positions]
+        """cos and sin of shape [*positions.shape, dim/2], on the positions' device."""
+        if positions.device.type == "cpu":
+            return self.cos[positions], self.sin[positions]
+        tables = self._on_device.get(positions.device)
+        if tables is None:
+            tables = self._on_device[positions.device] = (self.cos.to(positions.device), self.sin.to(positions.device))
+        return tables[0][positions], tables[1][positions]
 
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -281,8 +281,7 @@ class DsaForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
-        cos, sin = self.rotary.cos_sin(positions.cpu())
-        cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
+        cos, sin = self.rotary.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend)

@@ -66,9 +66,9 @@ class ModelFiles:
         self.architecture = architecture
         self._tokenizer = None
 
-    def load(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The model in eval mode, its weights in `dtype`, as its architecture's loader builds it."""
-        return ARCHITECTURES[self.architecture].load(self, dtype)
+    def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+        """The model in eval mode, its weights in `dtype` on `device`, as its architecture's loader builds it."""
+        return ARCHITECTURES[self.architecture].load(self, dtype, device)
 
     def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec | None:
         """The model's lightning indexers as the engine will run them (None: a dense model), from the files'
@@ -199,7 +199,7 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 
 
 def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str | Path | None = None,
-               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """Load weights into a model of `dtype` (float32 or bfloat16) in eval mode, projections fused for
     inference. The lightning indexers stay float32 whatever the model's dtype: they are small, and their
     scores decide which tokens attention reads.
@@ -227,7 +227,7 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
     if missing:
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
-    net.to(dtype)
+    net.to(dtype).to(device)  # before the fused weights are made: they are views of these
     net.prepare_for_inference()
     if indexer is not False:
         from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights
@@ -241,6 +241,9 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
                                  "model); pass a file")
         else:
             load_indexer_weights(net, indexer)
+        for layer in net.layers:
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.to(device)
     return net
 
 
@@ -249,15 +252,15 @@ class Architecture:
     """One registered architecture: its config from config.json, its model from the opened files."""
 
     read_config: Callable[[dict], LlamaConfig | DsaConfig]
-    load: Callable[[ModelFiles, torch.dtype], nn.Module]
+    load: Callable[[ModelFiles, torch.dtype, str | torch.device], nn.Module]
 
 
-def _load_llama(files: ModelFiles, dtype: torch.dtype) -> nn.Module:
-    return load_llama(files, dtype=dtype)
+def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    return load_llama(files, dtype=dtype, device=device)
 
 
-def _load_dsa(files: ModelFiles, dtype: torch.dtype) -> nn.Module:
-    return load_dsa_model(files.path, dtype)
+def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    return load_dsa_model(files.path, dtype).to(device)
 
 
 ARCHITECTURES: dict[str, Architecture] = {

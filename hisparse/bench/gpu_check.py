@@ -1,0 +1,132 @@
+"""The one prepared script for a GPU machine: the engine end to end on the device against the same run on the
+CPU, for the default model and a DSA checkpoint, then the Triton swap-in against a pinned copy.
+
+    python -m hisparse.bench.gpu_check [--device cuda] [--prompts 4] [--new-tokens 32] [--out FILE.json]
+
+1. The default model, float32, HiSparse on (a hot buffer smaller than the prompts, so that the swap-in runs
+   on the device, Triton's under `--swap-in-backend auto`) and off: the same greedy requests on `--device`
+   and on the CPU. Printed: per mode, how many requests got the CPU's tokens exactly, the first position
+   where one did not, and the mean decode step on each.
+2. The same for a random GLM-5 checkpoint (`hisparse.tools.random_checkpoint`, DSA-shaped per token, float32
+   weights, bfloat16 latent rows, FP8 indexer keys).
+3. `hisparse.bench.swap_in_cuda`: every Triton policy checked against the reference, then timed against a
+   plain pinned host -> device copy of the same bytes.
+
+`--device cpu` runs all of it on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
+where the two runs of each pair must agree exactly: the test suite runs it so, so that the script cannot rot
+before a GPU is lent. Exit status 1 when a pair differs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hisparse.bench import swap_in_cuda
+from hisparse.cli_args import OneLineParser, int_in, output_file, run_main
+from hisparse.data.pydoc_corpus import heldout_tokens
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.models.loader import open_model
+from hisparse.tools import random_checkpoint
+
+PROG = "python -m hisparse.bench.gpu_check"
+HISPARSE = {"top_k": 32, "device_buffer_size": 64, "host_to_device_ratio": 4}  # buffer below every prompt
+PROMPT_TOKENS = (96, 150, 200, 260)  # cycled over --prompts
+
+
+def greedy_run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """The requests' tokens and the mean decode-only step, in seconds."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    steps: list[float] = []
+    while engine.has_unfinished:
+        before = engine.stats.decode_seconds, engine.stats.decode_steps
+        engine.step()
+        if engine.stats.decode_steps > before[1]:
+            steps.append(engine.stats.decode_seconds - before[0])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return [r.output_token_ids for r in requests], statistics.mean(steps) if steps else 0.0
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def compare(name: str, model_path: str | None, device: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Each mode's run on `device` against the CPU's."""
+    rows = []
+    files = open_model(model_path)
+    cpu_model = files.load(torch.float32, "cpu")
+    device_model = cpu_model if device == "cpu" else files.load(torch.float32, device)
+    tokenizer = files.tokenizer()
+    for mode, hisparse in (("baseline", None), ("hisparse", HISPARSE)):
+        runs = []
+        for where, model in (("cpu", cpu_model), (device, device_model)):
+            config = EngineConfig(model=model_path, dtype="float32", device=where, device_kv_budget=256 << 20,
+                                  enable_hisparse=hisparse is not None, hisparse_config=hisparse)
+            runs.append(greedy_run(LLMEngine(config, model=model, tokenizer=tokenizer), prompts, new_tokens))
+        (want, cpu_step), (got, device_step) = runs
+        differences = [first_difference(a, b) for a, b in zip(want, got, strict=True)]
+        rows.append({"model": name, "mode": mode, "equal": sum(d is None for d in differences),
+                     "requests": len(prompts),
+                     "first_difference": min((d for d in differences if d is not None), default=None),
+                     "cpu_step_ms": 1e3 * cpu_step, "device_step_ms": 1e3 * device_step})
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", type=swap_in_cuda.device_flag, default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--prompts", type=int_in(1, 64), default=4)
+    ap.add_argument("--new-tokens", type=int_in(1, 1024), default=32)
+    ap.add_argument("--skip-swap-in", action="store_true", help="the engine checks only")
+    ap.add_argument("--out", type=output_file, default=None, help="also write the figures as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        swap_in_cuda.check_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    tokenizer = open_model(None).tokenizer()
+    prompts = [heldout_tokens(tokenizer, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], offset=211 * i)
+               for i in range(args.prompts)]
+    report: dict = {"device": args.device, "engine": []}
+    report["engine"] += compare("default", None, args.device, prompts, args.new_tokens)
+    with tempfile.TemporaryDirectory(prefix="hisparse-gpu-check-") as folder:
+        random_checkpoint.main(["--arch", "glm-5", "--out", folder, "--layers", "2", "--index-topk", "32",
+                                "--dtype", "float32"])
+        report["engine"] += compare("random glm-5", folder, args.device, prompts, args.new_tokens)
+    print(f"{'model':<14}{'mode':<10}{'tokens as on the cpu':>22}{'first diff':>11}{'cpu step ms':>12}"
+          f"{'device step ms':>15}")
+    for r in report["engine"]:
+        diff = "" if r["first_difference"] is None else str(r["first_difference"])
+        print(f"{r['model']:<14}{r['mode']:<10}{r['equal']:>12} of {r['requests']:<6}{diff:>11}"
+              f"{r['cpu_step_ms']:>12.1f}{r['device_step_ms']:>15.1f}")
+    if not args.skip_swap_in:
+        swap_out = Path(tempfile.mkdtemp(prefix="hisparse-swap-in-")) / "swap_in.json"
+        small = ["--batches", "2", "--miss-rates", "1.0", "--repeats", "1", "--host-gib", "0.0625"]
+        swap_in_cuda.main(["--device", args.device, "--out", str(swap_out), *(small if args.device == "cpu" else [])])
+        report["swap_in"] = json.loads(swap_out.read_text())
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    mismatched = [r for r in report["engine"] if r["equal"] != r["requests"]]
+    return 1 if mismatched and args.device == "cpu" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, prog=PROG))

@@ -1,0 +1,24 @@
+"""The GPU machine's prepared script, run on the CPU so that it cannot rot before a GPU is lent: the engine on
+the "device" gives the CPU run's tokens, for the default model and a DSA checkpoint, HiSparse on and off."""
+
+from __future__ import annotations
+
+import json
+
+from hisparse.bench import gpu_check
+
+
+def test_the_engine_checks_run_and_agree_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skip-swap-in",
+                           "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["model"], r["mode"]): r for r in report["engine"]}
+    assert set(rows) == {(m, mode) for m in ("default", "random glm-5") for mode in ("baseline", "hisparse")}
+    assert all(r["equal"] == r["requests"] == 2 and r["first_difference"] is None for r in rows.values())
+    assert "tokens as on the cpu" in capsys.readouterr().out
+
+
+def test_a_cuda_run_without_cuda_is_refused_in_one_line(assert_refused, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert_refused(gpu_check.main, ["--device", "cuda"], gpu_check.PROG, "no CUDA device here")
