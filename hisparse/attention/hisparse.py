@@ -66,7 +66,7 @@ class HiSparseAttention:
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
         self.decode_offsets = torch.tensor([s.offset for s in self.decode], device=cache.device)
         self.lengths = self.step.lengths
-        width = int(self.lengths.max())
+        width = max(s.end for s in self.decode)
         self.index_slots = torch.stack([torch.nn.functional.pad(
             torch.from_numpy(s.request.kv.index_slots[:s.end]), (0, width - s.end))
             for s in self.decode]).to(cache.device)

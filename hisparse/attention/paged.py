@@ -120,7 +120,7 @@ class PagedAttention:
         if self.decode:
             on_device = {"device": cache.device}
             self.decode_lengths = torch.tensor([s.end for s in self.decode], **on_device)
-            width = int(self.decode_lengths.max())
+            width = max(s.end for s in self.decode)
             self.decode_rows = torch.stack([  # -1: past a request's length
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
             self.decode_offsets = torch.tensor([s.offset for s in self.decode], **on_device)

@@ -95,27 +95,31 @@ class SwapInCounters:
 @dataclass
 class DecodeStep:
     """One decode step's per-request facts, worked out once and read by every layer: which requests are
-    still on the fast path and which swap in is fixed for the step, so layers do not split the batch."""
+    still on the fast path and which swap in is fixed for the step, so layers do not split the batch. The
+    split is known on the host (`swapping`), so no layer waits for the device to find it out."""
 
     rows: torch.Tensor  # int64 [B]: each request's row of the slot tables
     lengths: torch.Tensor  # int64 [B]: context length, the newest token included
     device_write: torch.Tensor  # int64 [B]: device row the newest token's row is written to
-    swapping: torch.Tensor  # bool [B]: the request has outgrown its buffer
-    fast: torch.Tensor = field(init=False)
+    swapping: list[bool]  # per request: it has outgrown its buffer
     has_fast: bool = field(init=False)
     has_swapping: bool = field(init=False)
+    fast_index: torch.Tensor = field(init=False)  # [Bf]: the batch entries on the fast path
+    swap_index: torch.Tensor = field(init=False)  # [Bs]: those that swap in
     fast_rows: torch.Tensor = field(init=False)  # [Bf, 1]
     swap_rows: torch.Tensor = field(init=False)  # [Bs]
     swap_newest: torch.Tensor = field(init=False)  # [Bs]: the newest position of each swapping request
     swap_reserved: torch.Tensor = field(init=False)  # [Bs]: its reserved device row
 
     def __post_init__(self) -> None:
-        self.fast = ~self.swapping
-        self.has_fast, self.has_swapping = bool(self.fast.any()), bool(self.swapping.any())
-        self.fast_rows = self.rows[self.fast].unsqueeze(1)
-        self.swap_rows = self.rows[self.swapping]
-        self.swap_newest = self.lengths[self.swapping] - 1
-        self.swap_reserved = self.device_write[self.swapping]
+        on_device = {"dtype": torch.int64, "device": self.rows.device}
+        self.fast_index = torch.tensor([b for b, s in enumerate(self.swapping) if not s], **on_device)
+        self.swap_index = torch.tensor([b for b, s in enumerate(self.swapping) if s], **on_device)
+        self.has_fast, self.has_swapping = not all(self.swapping), any(self.swapping)
+        self.fast_rows = self.rows[self.fast_index].unsqueeze(1)
+        self.swap_rows = self.rows[self.swap_index]
+        self.swap_newest = self.lengths[self.swap_index] - 1
+        self.swap_reserved = self.device_write[self.swap_index]
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,7 @@ class HiSparsePools:
             lengths=torch.tensor([s + 1 for s in starts], **on_device),
             device_write=torch.tensor([int(a.device_rows[s] if s < buffer else a.device_rows[-1])
                                        for a, s in zip(allocs, starts, strict=True)], **on_device),
-            swapping=torch.tensor([s >= buffer for s in starts], **on_device),
+            swapping=[s >= buffer for s in starts],
         )
 
     def page_table(self, layer: int, step: DecodeStep, selected: torch.Tensor,
@@ -324,19 +328,19 @@ class HiSparsePools:
         every = step.has_swapping and not step.has_fast  # the usual case: no boolean-mask gathers and scatters
         page = None if every else torch.full_like(selected, -1)
         if step.has_fast:  # the buffer holds every token: position p is in hot slot p
-            fast = step.fast
-            valid = selected[fast] >= 0
-            page[fast] = torch.where(valid, self.device_rows[step.fast_rows, selected[fast].clamp(min=0)], -1)
+            fast_sel = selected[step.fast_index]
+            valid = fast_sel >= 0
+            page[step.fast_index] = torch.where(valid, self.device_rows[step.fast_rows, fast_sel.clamp(min=0)], -1)
             self.counters.fast_path += valid.sum()
         if step.has_swapping:
-            swap_sel = selected if every else selected[step.swapping]
+            swap_sel = selected if every else selected[step.swap_index]
             if next_ranked is not None and not every:
-                next_ranked = next_ranked[step.swapping]
+                next_ranked = next_ranked[step.swap_index]
             start = time.perf_counter()
             swapped = self.swap_in[layer].page_table(swap_sel, step.swap_rows, step.swap_newest, step.swap_reserved,
                                                      next_ranked)
             self.counters.seconds[layer] += time.perf_counter() - start
             if every:
                 return swapped
-            page[step.swapping] = swapped
+            page[step.swap_index] = swapped
         return page
