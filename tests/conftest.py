@@ -124,38 +124,25 @@ def forbid(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tiny_dsa_dir(tmp_path_factory, model_files, monkeypatch_session):
+def tiny_dsa_dir(tmp_path_factory, model_files):
     """tiny_dsa_dir(arch): a small random checkpoint of `arch` ("glm-5", "deepseek-v3.2") written once by
     `python -m hisparse.tools.random_checkpoint`, DSA-shaped per token (latent 512 + 64, indexer key 128 dims)
     with index_topk 16, in float32."""
     import hisparse.models.loader as loader
     from hisparse.tools import random_checkpoint
 
-    monkeypatch_session.setattr(loader, "open_model", _session_open(loader.open_model, model_files))
     written = {}
 
     def write(arch: str):
         if arch not in written:
             out = tmp_path_factory.mktemp(arch)
-            assert random_checkpoint.main(["--arch", arch, "--out", str(out), "--layers", "2", "--hidden", "64",
-                                           "--heads", "2", "--experts", "4", "--index-topk", "16",
-                                           "--index-heads", "16", "--max-context", "1024", "--dtype", "float32"]) == 0
+            with pytest.MonkeyPatch.context() as patch:  # the tokenizer from the session's opened default model
+                patch.setattr(loader, "open_model", lambda model=None: model_files)
+                assert random_checkpoint.main(["--arch", arch, "--out", str(out), "--layers", "2", "--hidden", "64",
+                                               "--heads", "2", "--experts", "4", "--index-topk", "16",
+                                               "--index-heads", "16", "--max-context", "1024",
+                                               "--dtype", "float32"]) == 0
             written[arch] = out
         return written[arch]
 
     return write
-
-
-def _session_open(open_model, default_files):
-    """open_model, but the default model comes from the session's opened files (3 s each time otherwise)."""
-    def patched(model=None):
-        return default_files if model is None else open_model(model)
-
-    return patched
-
-
-@pytest.fixture(scope="session")
-def monkeypatch_session():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()

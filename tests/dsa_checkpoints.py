@@ -61,9 +61,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def baseline_cache(model, capacity: int, rows: str = "float32", keys: str = "float32") -> PagedKVCache:
     """The engine's baseline cache for `model`, its rows and index keys in these kinds, sparse as the model
     says (its index_topk, in prefill and decode)."""
-    spec = model.indexer_spec(keys)
-    sparse = SparseAttention(spec.key_format, True, spec.top_k, spec.dense_layers, spec.shared_layers,
-                             spec.sparse_prefill, spec.select_newest)
+    sparse = SparseAttention.from_spec(model.indexer_spec(keys))
     return PagedKVCache(model.config.row_layout(rows), capacity, model.config.attention_scale, sparse=sparse)
 
 

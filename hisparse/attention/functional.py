@@ -82,7 +82,8 @@ def attend_prompt(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scal
                   selection: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one request's prompt chunk q [T, Hq, Dk] (its last T positions) over the pool rows of its
     positions 0..S-1 (`slots` [S]): causal, or each query over its own `selection` [T, K] (-1 padded)."""
-    k, v = (t.to(q.device) for t in layout.unpack(gather_rows(pool, slots.to(pool.device))))
+    # The packed rows cross to the query's device, then unpack there: V is a view of K in the latent layout.
+    k, v = layout.unpack(gather_rows(pool, slots.to(pool.device)).to(q.device))
     if selection is None:
         return causal_attention(q, k, v, scale)
     s = slots.shape[0]

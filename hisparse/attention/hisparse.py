@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.attention.functional import attend_prompt, attend_rows
+from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
-from hisparse.attention.paged import rows_of
-from hisparse.attention.step_selection import StepSelection
+from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
+from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -58,9 +58,13 @@ class HiSparseAttention:
         self.host_write = torch.cat([torch.from_numpy(s.request.kv.host_rows[s.start:s.end]) for s in batch.spans])
         self.index_write = torch.cat([torch.from_numpy(s.request.kv.index_slots[s.start:s.end])
                                       for s in batch.spans]).to(cache.device)
-        self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
         self.selection = StepSelection(cache.sparse, cache.selector)
+        selects = cache.sparse.sparse_prefill
+        self.prefill = [PromptChunk(
+            slice(s.offset, s.offset + s.length), torch.from_numpy(s.request.kv.host_rows[:s.end]),
+            torch.from_numpy(s.request.kv.index_slots[:s.end]).to(cache.device) if selects else None,
+            torch.arange(s.start, s.end, device=cache.device) if selects else None) for s in batch.prefill_spans]
         if not self.decode:
             return
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
@@ -76,19 +80,15 @@ class HiSparseAttention:
         layout = cache.layout
         new_rows = layout.pack(k, v)
         host = cache.host_kv[layer]
-        host.index_copy_(0, self.host_write, new_rows.to(host.device))  # the backup (async on a GPU)
+        # The backup. On a GPU this copy waits for the device, once per layer: the reference backs the newest
+        # rows up asynchronously a step later, which this engine does not yet.
+        host.index_copy_(0, self.host_write, new_rows.to(host.device))
         if index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
         out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
-        for chunk, span in enumerate(self.prefill):
-            sl = slice(span.offset, span.offset + span.length)
-            selection = None
-            if cache.sparse.sparse_prefill_in(layer):
-                index_slots = torch.from_numpy(span.request.kv.index_slots[:span.end]).to(cache.device)
-                selection = self.selection.chunk(layer, chunk, rows_of(index_q, sl), rows_of(index_w, sl), index_slots,
-                                                 torch.arange(span.start, span.end, device=cache.device))
-            host_rows = torch.from_numpy(span.request.kv.host_rows[:span.end])
-            out[sl] = attend_prompt(host, host_rows, q[sl], cache.scale, layout, selection)
+        # Prefill over the host pool (on a GPU the reference stages it on the device before the backup).
+        attend_prompt_chunks(out, layer, q, index_q, index_w, self.prefill, host, cache.scale, layout, cache.sparse,
+                             self.selection)
         if self.decode:
             at = self.decode_offsets
             out[at] = self._decode(layer, q[at], new_rows[at], rows_of(index_q, at), rows_of(index_w, at))

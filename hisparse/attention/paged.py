@@ -19,9 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hisparse.attention.functional import attend_prompt, attend_rows
+from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
-from hisparse.attention.step_selection import StepSelection
+from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
+from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -99,11 +100,6 @@ class PagedKVCache:
         return {"device_slots_total": self.allocator.num_slots, "device_slots_used": self.allocator.num_used}
 
 
-def rows_of(tensor: torch.Tensor | None, index) -> torch.Tensor | None:
-    """tensor[index], or None for a layer without an indexer of its own."""
-    return None if tensor is None else tensor[index]
-
-
 class PagedAttention:
     """The attention backend for one step over a PagedKVCache."""
 
@@ -111,9 +107,13 @@ class PagedAttention:
         self.cache = cache
         self.batch = batch
         self.write_rows = torch.cat([s.request.kv.slots[s.start:s.end] for s in batch.spans])
-        self.prefill = batch.prefill_spans
         self.decode = batch.decode_spans
         self.selection = None if cache.selector is None else StepSelection(cache.sparse, cache.selector)
+        selects = cache.sparse is not None and cache.sparse.sparse_prefill
+        self.prefill = [PromptChunk(slice(s.offset, s.offset + s.length), s.request.kv.slots[:s.end],
+                                    None if s.request.kv.index_slots is None else s.request.kv.index_slots[:s.end],
+                                    torch.arange(s.start, s.end, device=cache.device) if selects else None)
+                        for s in batch.prefill_spans]
         if cache.index_cache is not None:
             self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
         self.trace_steps = {}
@@ -148,14 +148,8 @@ class PagedAttention:
             cache.index_cache.write(layer, self.index_write, index_k)
         sparse = cache.sparse
         out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
-        for chunk, span in enumerate(self.prefill):
-            sl = slice(span.offset, span.offset + span.length)
-            selection = None
-            if sparse is not None and sparse.sparse_prefill_in(layer):
-                selection = self.selection.chunk(layer, chunk, rows_of(index_q, sl), rows_of(index_w, sl),
-                                                 span.request.kv.index_slots[:span.end],
-                                                 torch.arange(span.start, span.end, device=cache.device))
-            out[sl] = attend_prompt(pool, span.request.kv.slots[:span.end], q[sl], cache.scale, layout, selection)
+        attend_prompt_chunks(out, layer, q, index_q, index_w, self.prefill, pool, cache.scale, layout, sparse,
+                             self.selection)
         if self.decode:
             rows = self.decode_rows
             selects = self.selection is not None and sparse.sparse_in(layer)

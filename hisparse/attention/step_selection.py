@@ -13,6 +13,11 @@ from hisparse.attention.index_selection import IndexSelector
 from hisparse.formats.sparse_attention import SparseAttention
 
 
+def rows_of(tensor: torch.Tensor | None, index) -> torch.Tensor | None:
+    """tensor[index], or None for a layer without an indexer of its own."""
+    return None if tensor is None else tensor[index]
+
+
 class StepSelection:
     def __init__(self, sparse: SparseAttention, selector: IndexSelector) -> None:
         self.sparse = sparse

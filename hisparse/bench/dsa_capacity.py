@@ -12,7 +12,7 @@ loaded model, their engines stepping in turn; each runs a short warm-up request 
 compiles in the timed run. Printed: for each mode the most requests running at once (admission by the device
 budget), decode throughput (tokens over the time of its decode-only steps) and output throughput (tokens over
 the time of all its steps, prefill included), next to `hisparse.plan`'s sizing of the same shape; exit status
-1 when the admitted ratio differs from the planner's.
+1 when either mode admits another number of requests than the planner says.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ def run_side_by_side(configs: dict[str, EngineConfig], model, tokenizer, prompts
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    context = args.prompt_tokens + args.output_tokens
+    if args.model is None and context > random_checkpoint.DEFAULT_MAX_CONTEXT:  # checked before writing one
+        parser.error(f"--prompt-tokens + --output-tokens = {context} exceeds the model's context "
+                     f"({random_checkpoint.DEFAULT_MAX_CONTEXT} tokens)")
     with tempfile.TemporaryDirectory(prefix="hisparse-dsa-") as scratch:
         folder = args.model
         if folder is None:
@@ -98,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--model {str(folder)!r} is {files.architecture}, not a DSA model")
         name = folder.name if args.model is not None else f"random {args.arch}"
         shape = ModelShape.from_hf_config(json.loads((folder / "config.json").read_text()), name)
-        context = args.prompt_tokens + args.output_tokens
         if context > shape.context_length:
             parser.error(f"--prompt-tokens + --output-tokens = {context} exceeds the model's context "
                          f"({shape.context_length} tokens)")

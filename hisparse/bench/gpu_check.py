@@ -5,8 +5,9 @@ CPU, for the default model and a DSA checkpoint, then the Triton swap-in against
 
 1. The default model, float32, HiSparse on (a hot buffer smaller than the prompts, so that the swap-in runs
    on the device, Triton's under `--swap-in-backend auto`) and off: the same greedy requests on `--device`
-   and on the CPU. Printed: per mode, how many requests got the CPU's tokens exactly, the first position
-   where one did not, and the mean decode step on each.
+   and on the CPU, every weight and device pool checked to be on its device first. Printed: per mode, how
+   many requests got the CPU's tokens exactly, the first position where one did not, and the mean decode
+   step on each.
 2. The same for a random GLM-5 checkpoint (`hisparse.tools.random_checkpoint`, DSA-shaped per token, float32
    weights, bfloat16 latent rows, FP8 indexer keys).
 3. `hisparse.bench.swap_in_cuda`: every Triton policy checked against the reference, then timed against a
@@ -57,6 +58,20 @@ def greedy_run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
     return [r.output_token_ids for r in requests], statistics.mean(steps) if steps else 0.0
 
 
+def check_placement(engine: LLMEngine, device: str) -> None:
+    """AssertionError unless every weight and every device-side pool of the engine is on `device`."""
+    where = torch.device(device)
+    tensors = {name: p for name, p in engine.model.named_parameters()}
+    tensors.update({name: getattr(engine.cache, name) for name in ("kv", "device_kv", "device_rows", "slot_pos")
+                    if isinstance(getattr(engine.cache, name, None), torch.Tensor)})
+    index_cache = getattr(engine.cache, "index_cache", None)
+    if index_cache is not None:
+        tensors["index keys"] = index_cache.rows
+    wrong = [name for name, t in tensors.items() if t.device.type != where.type]
+    if wrong:
+        raise AssertionError(f"not on {device}: {', '.join(wrong[:5])}")
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
@@ -73,7 +88,9 @@ def compare(name: str, model_path: str | None, device: str, prompts: list[list[i
         for where, model in (("cpu", cpu_model), (device, device_model)):
             config = EngineConfig(model=model_path, dtype="float32", device=where, device_kv_budget=256 << 20,
                                   enable_hisparse=hisparse is not None, hisparse_config=hisparse)
-            runs.append(greedy_run(LLMEngine(config, model=model, tokenizer=tokenizer), prompts, new_tokens))
+            engine = LLMEngine(config, model=model, tokenizer=tokenizer)
+            check_placement(engine, where)
+            runs.append(greedy_run(engine, prompts, new_tokens))
         (want, cpu_step), (got, device_step) = runs
         differences = [first_difference(a, b) for a, b in zip(want, got, strict=True)]
         rows.append({"model": name, "mode": mode, "equal": sum(d is None for d in differences),
@@ -98,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        swap_in_cuda.check_device(args.device)
+        if not args.skip_swap_in or args.device != "cpu":  # the CPU needs the Triton interpreter for the swap-in only
+            swap_in_cuda.check_device(args.device)
     except ValueError as error:
         parser.error(str(error))
     tokenizer = open_model(None).tokenizer()

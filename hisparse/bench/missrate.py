@@ -76,7 +76,7 @@ SYNTHETIC_MAX_TOKENS = 1 << 16  # context + steps of a synthetic trace (a record
 SYNTHETIC_LAYERS, SYNTHETIC_NEXT_PER_TOP_K = 2, 4  # synthetic_trace's defaults
 
 
-# -- the simulators ---------------------------------------------------------------------------------
+# -- Belady's optimum and the replay --------------------------------------------------------------
 
 
 @njit(cache=True)
@@ -446,7 +446,7 @@ def tune_lrfu_ghosts(traces: list[TopkTrace], results: list[Result]) -> dict[tup
 def _lrfu_grid(traces: list[TopkTrace], results: list[Result], firsts: list[int], seconds: list[int],
                overrides) -> dict[tuple[int, int], list[float]]:
     """lrfu's share of LRU's gap per buffer size with a gap, for each (first, second): `overrides(first,
-    second)` the simulator's keyword overrides."""
+    second)` `replay`'s keyword overrides."""
     sized = [r for r in results if _has_gap(r)]
     return {(a, b): [_share(r, LRFUPolicy.name, misses_per_step_per_layer(traces, r.num_slots, LRFUPolicy.name,
                                                                           **overrides(a, b)))

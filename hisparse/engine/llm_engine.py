@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
@@ -49,6 +51,9 @@ class LLMEngine:
         key_kind = self.config.index_key_format
         if model is not None:
             mc, indexer, model_dtype = model.config, model.indexer_spec(key_kind), model.dtype
+            where = next(model.parameters()).device
+            if where != torch.device(self.config.device):
+                raise ValueError(f"the model's weights are on {where}, the engine's device is {self.config.device}")
         else:  # what loading will build (the default model gets its shipped indexers)
             mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
@@ -62,6 +67,8 @@ class LLMEngine:
             except OSError as error:
                 raise ValueError(f"topk_trace_dir {str(self.config.topk_trace_dir)!r} cannot be created: "
                                  f"{error.strerror}") from None
+        if torch.device(self.config.device).type == "cuda":  # Triton launches on the current device
+            torch.cuda.set_device(torch.device(self.config.device))
         budget = self.config.kv_budget_before_weights()
         self.cache = None if budget is None else self._new_cache(layout, sparse, budget, mc.attention_scale)
         self.model = model if model is not None else files.load(model_dtype, self.config.device)
@@ -81,13 +88,17 @@ class LLMEngine:
         index_topk) wins over the engine's, as in the reference."""
         if indexer is None:
             return None
-        dense = indexer.dense_layers if self.config.dense_layers is None else self.config.dense_layers
-        bad = [layer for layer in dense if layer >= num_layers]
+        sparse = SparseAttention.from_spec(indexer, self.config.sparse_attention, self.config.top_k,
+                                           self.config.dense_layers)
+        bad = [layer for layer in sparse.dense_layers if layer >= num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} out of range: the model has {num_layers} layers")
-        top_k = self.config.top_k if indexer.top_k is None else indexer.top_k
-        return SparseAttention(indexer.key_format, self.config.sparse_attention, top_k, tuple(dense),
-                               indexer.shared_layers, indexer.sparse_prefill, indexer.select_newest)
+        for layer in sparse.shared_layers:  # a dense layer selects nothing for the shared layers after it
+            source = sparse.selecting_layer(layer)
+            if layer not in sparse.dense_layers and source in sparse.dense_layers:
+                raise ValueError(f"dense_layers has layer {source}, whose top-k the shared layer {layer} reuses: make "
+                                 f"layer {layer} dense too, or layer {source} sparse")
+        return sparse
 
     def _new_cache(self, layout: RowLayout, sparse: SparseAttention | None, budget: int, attention_scale: float):
         if self.config.enable_hisparse:

@@ -19,8 +19,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> list[int]:
-        """The step's tokens go to the device once; the sampled tokens come back once (the step's one wait for
-        the device, besides those listed where they are: a DSA model's MoE counts its tokens per expert)."""
+        """The step's tokens go to the device once; the sampled tokens come back once. The other waits for the
+        device are named where they are: a DSA model's MoE counting its tokens per expert, HiSparse's backup of
+        the newest rows to the host pool (both once per layer)."""
         start = time.perf_counter()
         backend = self.cache.bind(batch)
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), backend)

@@ -19,8 +19,11 @@ from hisparse.formats import fp8
 INDEX_KEY_KINDS = ("float32", "int8", "fp8")
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard_matrix(dim: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _hadamard_matrix(dim: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """Built once per dim and device: on a GPU a copy per call would be one per layer per step."""
+    if device.type != "cpu":
+        return _hadamard_matrix(dim).to(device)
     if dim & (dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {dim}")
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -31,7 +34,7 @@ def _hadamard_matrix(dim: int) -> torch.Tensor:
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Hadamard rotation of the last dim (the reference's `rotate_activation`)."""
-    return x.float() @ _hadamard_matrix(x.shape[-1]).to(x.device)
+    return x.float() @ _hadamard_matrix(x.shape[-1], x.device)
 
 
 class IndexKeyFormat:
@@ -41,6 +44,9 @@ class IndexKeyFormat:
     def __init__(self, kind: str, head_dim: int = 128) -> None:
         if kind not in INDEX_KEY_KINDS:
             raise ValueError(f"unknown indexer key format {kind!r}; expected one of {INDEX_KEY_KINDS}")
+        if kind == "fp8" and (head_dim < 1 or head_dim & (head_dim - 1)):
+            raise ValueError(f"the FP8 indexer key rotates its {head_dim} dims by a Hadamard matrix, which needs a "
+                             "power of two (DSA's is 128)")
         self.kind = kind
         self.head_dim = head_dim
         self.row_bytes = 4 * head_dim if kind == "float32" else fp8.index_k_fp8_row_bytes(head_dim)

@@ -44,6 +44,22 @@ class SparseAttention:
     select_newest: bool = True
     trace_next_ranks: int | None = None  # runners-up a recorded step keeps; None: TRACE_NEXT_PER_TOP_K x top_k
 
+    @classmethod
+    def from_spec(cls, spec: IndexerSpec, enabled: bool = True, top_k: int = 256,
+                  dense_layers: tuple[int, ...] | None = None) -> SparseAttention:
+        """How a step runs the model's indexers: the model's own top_k wins over `top_k`; `dense_layers` None
+        keeps the indexers' own choice."""
+        dense = spec.dense_layers if dense_layers is None else tuple(dense_layers)
+        return cls(spec.key_format, enabled, top_k if spec.top_k is None else spec.top_k, dense, spec.shared_layers,
+                   spec.sparse_prefill, spec.select_newest)
+
+    def selecting_layer(self, layer: int) -> int:
+        """The layer whose top-k `layer` attends with: itself, or for a shared layer the last one before it that
+        selects (-1: none)."""
+        while layer >= 0 and self.shares_selection(layer):
+            layer -= 1
+        return layer
+
     @property
     def recorded_next_ranks(self) -> int:
         return TRACE_NEXT_PER_TOP_K * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks

@@ -1,7 +1,7 @@
 """Which thread pool numba's parallel loops run on: torch's own OpenMP team when hisparse could load the
 runtime before torch (see openmp_runtime), else TBB when the `tbb` wheel is there, else workqueue.
 
-Our parallel loops (the cpu swap-in, top-k, the decode attention, the miss-rate simulator) share the cores
+Our parallel loops (the cpu swap-in, top-k, the decode attention) share the cores
 with torch and, in the server, with the HTTP thread. On torch's own team a loop costs a wake-up of threads that
 are still spinning from torch's last op. Numba's "omp" layer beside torch's bundled runtime (torch imported
 first) would be a second team of spinning threads fighting the first for the cores. Of the others, "workqueue"

@@ -197,7 +197,7 @@ def _ghost(lookup, ghost_pos, r, p, num_slots):
 @njit(cache=True)
 def keep_last_ghosts(ghost_pos, ghost_value, r, decay, evicted_pos, evicted_value, n_evicted):
     """Row r's ghosts := the last S of (its surviving ghosts, decayed by 1/2**decay, the oldest first, then
-    the n evicted), empty entries (-1, 0) at the front (`LRFUPolicy.choose`; the miss-rate simulator's too)."""
+    the n evicted), empty entries (-1, 0) at the front (`LRFUPolicy.choose`)."""
     num_slots = ghost_pos.shape[1]
     listed_pos = np.empty(num_slots + n_evicted, np.int32)
     listed_value = np.empty(num_slots + n_evicted, np.int32)

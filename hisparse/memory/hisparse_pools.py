@@ -177,7 +177,8 @@ class HiSparsePools:
     """Device hot buffers, host pool, indexer keys, slot tables, eviction policies and counters.
 
     Rows are `row_width` elements of `row_dtype` per token per layer; indexer keys are rows of the
-    `index_key` format. Requests are `HiSparseAllocation`s; model-specific caches wrap this class.
+    `index_key` format. Requests are `HiSparseAllocation`s; `attention.hisparse.HiSparseKVCache` serves every
+    model over these pools.
     """
 
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,

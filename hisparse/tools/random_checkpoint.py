@@ -32,13 +32,14 @@ ARCHS = {  # our flag -> (architectures entry, model_type, what differs between 
     "glm-5": ("GlmMoeDsaForCausalLM", "glm_moe_dsa", {"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5}),
 }
 WEIGHT_STD = 0.02  # the releases' initializer_range
+DEFAULT_MAX_CONTEXT = 8192
 
 
 def dsa_config(arch: str, *, vocab_size: int, layers: int = 4, hidden: int = 256, heads: int = 8,
                q_lora_rank: int = 256, kv_lora_rank: int = 512, rope_dim: int = 64, nope_dim: int = 64,
                v_dim: int = 64, experts: int = 8, experts_per_token: int = 2, moe_intermediate: int = 128,
                intermediate: int = 512, index_topk: int = 256, index_head_dim: int = 128, index_heads: int = 16,
-               max_context: int = 8192, shared_indexer_layers: tuple[int, ...] = (),
+               max_context: int = DEFAULT_MAX_CONTEXT, shared_indexer_layers: tuple[int, ...] = (),
                bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None) -> dict:
     """A config.json of `arch` ("deepseek-v3.2" or "glm-5") with these shapes, the fields named as the releases
     and transformers 5 name them. The first layer's MLP is dense, the rest mixtures of experts."""
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--index-topk", type=int_in(1), default=256, help="tokens each query attends to (DSA: 2048)")
     ap.add_argument("--index-head-dim", type=int_in(2), default=128, help="indexer key dims (DSA: 128)")
     ap.add_argument("--index-heads", type=int_in(1), default=16, help="indexer heads (DSA: 64, GLM-5: 32)")
-    ap.add_argument("--max-context", type=int_in(16), default=8192, help="max_position_embeddings")
+    ap.add_argument("--max-context", type=int_in(16), default=DEFAULT_MAX_CONTEXT, help="max_position_embeddings")
     ap.add_argument("--shared-indexer-layers", type=int_in(1), nargs="*", default=[],
                     help="GLM-5 layers that reuse the previous layer's top-k instead of an indexer of their own")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rope_dim % 2 or args.index_head_dim < args.rope_dim:
         parser.error(f"--rope-dim ({args.rope_dim}) must be even and at most --index-head-dim "
                      f"({args.index_head_dim}): the indexer rotates that many of its dims")
+    if args.index_head_dim & (args.index_head_dim - 1):
+        parser.error(f"--index-head-dim ({args.index_head_dim}) must be a power of two: the FP8 indexer key is "
+                     "rotated by a Hadamard matrix (DSA: 128)")
     if args.experts < 2 * ARCHS[args.arch][2]["n_group"]:
         parser.error(f"--experts ({args.experts}) must give each of the {ARCHS[args.arch][2]['n_group']} expert "
                      "groups at least two")

@@ -194,3 +194,12 @@ def test_bad_configs_are_named(model, tokenizer):
     with pytest.raises(ValueError, match="context length of 256"):
         engine.add_request([1] * 250, GREEDY)
     assert_all_free(engine.cache)
+
+
+def test_a_dense_layer_that_a_shared_layer_follows_is_refused_at_start(model, tokenizer):
+    """A dense layer selects nothing, so a shared layer after it would have no top-k to reuse."""
+    if not model.config.indexer_spec().shared_layers:
+        pytest.skip("the architecture has no shared layers")
+    with pytest.raises(ValueError, match="dense_layers has layer 0, whose top-k the shared layer 1 reuses"):
+        engine_for(model, tokenizer, dense_layers=(0,))
+    run(engine_for(model, tokenizer, dense_layers=(0, 1)), prompts()[:1])  # both dense: nothing to reuse

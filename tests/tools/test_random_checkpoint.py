@@ -12,6 +12,7 @@ from dsa_checkpoints import baseline_cache, rel_err, sequence_logits
 from transformers import AutoModelForCausalLM
 
 from hisparse import LLM, SamplingParams
+from hisparse.formats.fp8 import block_dequant
 from hisparse.models.loader import open_model
 from hisparse.tools import random_checkpoint
 
@@ -47,8 +48,10 @@ def test_fp8_weights_load_as_their_dequantized_values(tmp_path, tiny_dsa_dir):
         assert q_b.dtype == torch.float8_e4m3fn
         assert "model.layers.1.self_attn.q_b_proj.weight_scale_inv" in f.keys()
         assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.float32  # the router, as released
+        scale = f.get_tensor("model.layers.1.self_attn.q_b_proj.weight_scale_inv")
     model = open_model(tmp_path).load(torch.float32)
-    assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float32
+    loaded = model.model.layers[1].self_attn.q_b_proj.weight
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, block_dequant(q_b, scale))
 
 
 def test_the_engine_serves_the_folder_with_its_tokenizer_and_chat_template(tiny_dsa_dir):
@@ -70,6 +73,7 @@ def test_the_engine_serves_the_folder_with_its_tokenizer_and_chat_template(tiny_
     (["--arch", "glm-5", "--rope-dim", "256"], "--rope-dim (256) must be even and at most --index-head-dim"),
     (["--arch", "deepseek-v3.2", "--experts", "3"], "--experts (3) must give each of the 2 expert groups"),
     (["--arch", "glm-5", "--shared-indexer-layers", "9"], "--shared-indexer-layers [9] out of range"),
+    (["--arch", "glm-5", "--index-head-dim", "96"], "--index-head-dim (96) must be a power of two"),
 ])
 def test_bad_flags_fail_in_one_line(tmp_path, assert_refused, argv, words):
     assert_refused(random_checkpoint.main, [*argv, "--out", str(tmp_path / "x")], random_checkpoint.PROG, words)

@@ -1,0 +1,37 @@
+"""The prompt chunks of a step, as both backends attend to them: what every layer reads of a chunk is built once
+per step, and each layer attends the same way (causal, or each query over its own top-k)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hisparse.attention.functional import attend_prompt
+from hisparse.attention.step_selection import StepSelection, rows_of
+from hisparse.formats.kv_layout import RowLayout
+from hisparse.formats.sparse_attention import SparseAttention
+
+
+@dataclass
+class PromptChunk:
+    """One request's prompt tokens in a step."""
+
+    tokens: slice  # its tokens in the flat batch
+    pool_rows: torch.Tensor  # [S]: the rows of its positions 0..S-1 in the pool prefill reads
+    index_slots: torch.Tensor | None  # [S]: their indexer-key slots, on the key cache's device
+    positions: torch.Tensor | None  # [T]: the chunk's positions, on the key cache's device
+
+
+def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
+                         index_w: torch.Tensor | None, chunks: list[PromptChunk], pool: torch.Tensor, scale: float,
+                         layout: RowLayout, sparse: SparseAttention | None, selection: StepSelection | None) -> None:
+    """Each chunk's attention output into its rows of `out`: over the pool rows of its context, each query over
+    its own top-k where the model selects in prefill (DSA), else causal."""
+    selects = sparse is not None and sparse.sparse_prefill_in(layer)
+    for number, chunk in enumerate(chunks):
+        chosen = None
+        if selects:
+            chosen = selection.chunk(layer, number, rows_of(index_q, chunk.tokens), rows_of(index_w, chunk.tokens),
+                                     chunk.index_slots, chunk.positions)
+        out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, q[chunk.tokens], scale, layout, chosen)
