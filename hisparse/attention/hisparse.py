@@ -71,6 +71,8 @@ class HiSparseAttention:
         self.decode_offsets = torch.tensor([s.offset for s in self.decode], device=cache.device)
         self.lengths = self.step.lengths
         width = max(s.end for s in self.decode)
+        # Built on the host and copied every step (batch x context int64): a device-side table of each row's
+        # indexer slots, beside `host_rows`, would save the copy.
         self.index_slots = torch.stack([torch.nn.functional.pad(
             torch.from_numpy(s.request.kv.index_slots[:s.end]), (0, width - s.end))
             for s in self.decode]).to(cache.device)

@@ -24,6 +24,8 @@ class IndexerKeyCache:
         self.num_layers = num_layers
         self.index_dim = key_format.head_dim
         self.format = key_format
+        # A row for every layer, GLM's shared layers too, though they write none: the sizing (here, in the pools'
+        # and in the planner's) counts every layer.
         self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
         self.allocator = SlotAllocator(num_slots)
 
