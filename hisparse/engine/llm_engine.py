@@ -120,6 +120,11 @@ class LLMEngine:
         params.validate()
         if request_id is not None and request_id in self._detokenizers:
             raise RequestError(f"request_id {request_id!r} is already in use by an unfinished request", "request_id")
+        vocab = self.model.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"{name} must name token ids in [0, {vocab}), got {bad[0]}", name)
         ids = self._prompt_ids(prompt)
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
         request.record_topk = self.config.record_topk if record_topk is None else record_topk

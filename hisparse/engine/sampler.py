@@ -43,8 +43,25 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.searchsorted(cdf, cdf.new_tensor([point]), right=True))
 
 
+def adjusted(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """One request's logits [vocab] after its logit_bias and its presence and frequency penalties (OpenAI's
+    definitions: a token's logit loses presence_penalty once the request has generated it, and
+    frequency_penalty per time it has)."""
+    params = request.params
+    logits = logits.clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device))
+    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+        generated = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(generated, minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [B, vocab] float32, one row per request.
+    """logits: [B, vocab] float32, one row per request; a request's penalties and logit_bias first.
 
     A sampled row is scaled in float64 after its largest logit is taken off: every value is then <= 0
     whatever the temperature, so a temperature as small as the request may send (5e-324) cannot overflow
@@ -54,9 +71,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     tokens = logits.argmax(-1).tolist()
     for row, request in enumerate(requests):
         params = request.params
+        scores = adjusted(logits[row], request) if params.adjusts_logits else logits[row]
         if params.greedy:
+            if params.adjusts_logits:
+                tokens[row] = int(scores.argmax())
             continue
-        shifted = logits[row].double() - logits[row].max().double()
+        shifted = scores.double() - scores.max().double()
         scaled = _filter_top_k_top_p(shifted / params.temperature, params.top_k, params.top_p)
         probs = scaled.softmax(-1)
         tokens[row] = _draw(probs, request.generator)

@@ -17,6 +17,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's: subtracted from a token's logit once it has been generated (presence), and per time it has
+    # (frequency); logit_bias adds to the logits of the token ids it names.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,6 +52,19 @@ class SamplingParams:
         check(isinstance(self.stop_token_ids, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids", "must be a list of non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and -2.0 <= value <= 2.0, name,
+                  "must be a number in [-2, 2]")
+        check(isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and not isinstance(b, bool) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+            "logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes the model's logits first (penalties, logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -179,15 +179,28 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
         if body.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported", "logprobs")
+        unhonoured = {"response_format": body.response_format not in (None, {"type": "text"}),
+                      "tools": bool(body.tools), "tool_choice": body.tool_choice not in (None, "none"),
+                      "best_of": body.best_of not in (None, 1), "suffix": bool(body.suffix)}
+        for name, given in unhonoured.items():
+            if given:
+                raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
 
     def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                         max_tokens_param: str) -> SamplingParams:
+        bias = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
         try:
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p,
                                   top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=body.stop,
-                                  stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+                                  stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                                  presence_penalty=body.presence_penalty or 0.0,
+                                  frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias)
         except RequestError as error:
             param, message = error.field, str(error)
             if param == "max_tokens" and max_tokens_param != "max_tokens":

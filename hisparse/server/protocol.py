@@ -3,7 +3,8 @@
 Requests are parsed strictly (`"max_tokens": "5"` is a type error, not 5), so a client bug is reported at
 the door with the field named instead of being guessed at. Fields the OpenAI API has and we do not use
 (user, metadata, ...) are ignored, as the official client may send them; ones that would change the answer
-and that we cannot honour (n > 1, logprobs, echo) are refused by the server with a 400.
+and that we cannot honour (n > 1, logprobs, echo, response_format, tools, best_of, suffix) are refused by the
+server with a 400.
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    # Fields that would change the answer and that the server cannot honour: refused with a 400 when set.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse.engine.request import Request
-from hisparse.engine.sampler import sample
+from hisparse.engine.sampler import adjusted, sample
 from hisparse.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -80,3 +80,34 @@ def test_a_nan_or_infinite_logit_raises_instead_of_drawing_a_token_past_the_voca
     logits[0, 3] = bad
     with pytest.raises(ValueError, match="cannot sample"):
         sample(logits, [Request([1], SamplingParams(temperature=1.0, seed=0))])
+
+
+def test_penalties_and_logit_bias_follow_openais_definitions():
+    """logit_bias adds; a generated token loses presence_penalty once and frequency_penalty per time."""
+    logits = torch.zeros(VOCAB)
+    request = Request([1], SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={7: 3.0, 3: -1.0}))
+    request.output_token_ids = [3, 3, 5]
+    want = torch.zeros(VOCAB)
+    want[7] += 3.0
+    want[3] += -1.0 - 0.5 - 2 * 1.0
+    want[5] += -0.5 - 1.0
+    assert torch.equal(adjusted(logits, request), want)
+    assert torch.equal(logits, torch.zeros(VOCAB))  # the batch's logits are not touched
+
+
+def test_greedy_decoding_takes_the_adjusted_logits():
+    logits = torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0)  # token VOCAB - 1 wins unadjusted
+    plain = Request([1], SamplingParams(temperature=0.0))
+    biased = Request([1], SamplingParams(temperature=0.0, logit_bias={4: 100.0}))
+    penalised = Request([1], SamplingParams(temperature=0.0, frequency_penalty=2.0))
+    penalised.output_token_ids = [VOCAB - 1]  # one use costs 2: VOCAB - 2 wins now
+    assert sample(logits.repeat(3, 1), [plain, biased, penalised]) == [VOCAB - 1, 4, VOCAB - 2]
+
+
+@pytest.mark.parametrize("kwargs, field", [({"presence_penalty": 2.5}, "presence_penalty"),
+                                           ({"frequency_penalty": -3}, "frequency_penalty"),
+                                           ({"logit_bias": {5: 101.0}}, "logit_bias"),
+                                           ({"logit_bias": {-1: 1.0}}, "logit_bias")])
+def test_out_of_range_penalties_and_biases_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

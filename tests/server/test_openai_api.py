@@ -197,6 +197,23 @@ BAD_INPUTS = {
                             400, "messages[0].content", "surrogate"),
     "stop_lone_surrogate": ("completions", '{"model": "test-model", "prompt": "x", "stop": ["\\ud83d"]}', 400,
                             "stop[0]", "surrogate"),
+    # fields that would change the answer and that the server does not honour
+    "response_format": ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+                        "response_format", "not supported"),
+    "tools": ("chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+              400, "tools", "not supported"),
+    "best_of": ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "not supported"),
+    "suffix": ("completions", {"prompt": "x", "suffix": "!"}, 400, "suffix", "not supported"),
+    "stop_token_id_out_of_vocab": ("completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids",
+                                   "token ids in [0, 49152)"),
+    "logit_bias_key_not_an_id": ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias",
+                                 "token ids"),
+    "logit_bias_out_of_range": ("completions", {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias",
+                                "[-100, 100]"),
+    "logit_bias_id_out_of_vocab": ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias",
+                                   "token ids in [0, 49152)"),
+    "presence_penalty_out_of_range": ("completions", {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty",
+                                      "[-2, 2]"),
 }
 
 
@@ -216,6 +233,26 @@ def test_bad_input_is_a_named_400_and_the_server_still_serves(server, client, re
     assert error["param"] == param
     assert word in error["message"], error["message"]
     assert_still_serves(client, reference)
+
+
+def test_logit_bias_and_penalties_change_the_answer(client, tokenizer):
+    """A bias of 100 on one token makes greedy decoding emit only it; a frequency penalty of 2 makes a
+    repetitive greedy answer repeat itself less."""
+    paris = tokenizer.encode(" Paris")[0]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    logit_bias={str(paris): 100})
+    assert out.choices[0].text == tokenizer.decode([paris] * 3)
+    prompt = "one two one two one two one two"
+
+    def most_repeated(**penalty) -> tuple[str, int]:
+        text = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                         **penalty).choices[0].text
+        ids = tokenizer.encode(text)
+        return text, max(ids.count(t) for t in set(ids))
+
+    plain, penalised = most_repeated(), most_repeated(frequency_penalty=2.0)
+    assert penalised[0] != plain[0] and penalised[1] < plain[1]
+    assert most_repeated(presence_penalty=2.0)[0] != plain[0]
 
 
 def test_a_body_sent_without_a_json_content_type_is_told_so(server, client, reference):
