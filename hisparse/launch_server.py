@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("hisparse.server")
+    from hisparse.server.args import is_loopback
+
+    if args.api_key is None and not is_loopback(args.host):
+        log.warning("listening on %s without --api-key: anyone who reaches the port can use the server", args.host)
 
     import uvicorn
 
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if not warm_up_in_place(engine):
             log.warning("no warm-up: the device budget cannot hold a request past the hot buffer")
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, args.model_name(), args.max_queued_requests)
+    app = create_app(engine_loop, args.model_name(), args.max_queued_requests, args.api_key, args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     http = threading.Thread(target=_serve_http, args=(server, engine_loop), name="hisparse-http")
     for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn listens to signals only in the main thread

@@ -16,6 +16,7 @@ from hisparse.cli_args import OneLineParser, positive_int, size_flag
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 160k-token prompt of text is a few MB
 
 
 @dataclass
@@ -38,6 +39,8 @@ class ServerArgs:
     device: str = "cpu"
     log_level: str = "info"
     skip_server_warmup: bool = False
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def engine_config(self) -> EngineConfig:
         """Raises ValueError naming the field, like EngineConfig itself."""
@@ -110,6 +113,11 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "natively, else float32); the indexer stays float32")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
+    ap.add_argument("--api-key", default=d.api_key,
+                    help="every request but /health must send Authorization: Bearer KEY (default: none asked; a "
+                         "server bound beyond loopback without one serves anyone who reaches the port)")
+    ap.add_argument("--max-request-bytes", type=size_flag, default=d.max_request_bytes,
+                    help="the largest request body taken; larger ones get 413 before they are read (default 16MiB)")
     ap.add_argument("--skip-server-warmup", action="store_true",
                     help="serve without first running one short request through the engine (which compiles its "
                          "kernels, or loads them from numba's cache, before the first user request)")
@@ -120,6 +128,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m hisparse.la
     """Flags -> ServerArgs, or one line on stderr and exit status 2."""
     ns = build_parser(prog).parse_args(argv)
     return ServerArgs(**vars(ns))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -46,9 +46,10 @@ class RunningServer:
 
 
 @contextmanager
-def serve(engine: LLMEngine, model_name: str, max_queued_requests: int = 256) -> Iterator[RunningServer]:
+def serve(engine: LLMEngine, model_name: str, max_queued_requests: int = 256, **app_args) -> Iterator[RunningServer]:
+    """app_args: create_app's api_key and max_request_bytes."""
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, model_name, max_queued_requests)
+    app = create_app(engine_loop, model_name, max_queued_requests, **app_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; handing uvicorn the socket leaves no race
