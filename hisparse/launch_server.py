@@ -2,12 +2,14 @@
 
 Flags are checked (and the port tried) before the model loads, so mistakes fail in a second with one line.
 The engine loop runs in the main thread, which loaded the model, and uvicorn in a thread of its own
-(`hisparse/server/engine_loop.py` says why). SIGINT and SIGTERM tell uvicorn to shut down, which stops the loop.
+(`hisparse/server/engine_loop.py` says why). SIGINT and SIGTERM shut down within --graceful-shutdown-timeout
+(`GracefulShutdown`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -57,10 +59,13 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             log.warning("no warm-up: the device budget cannot hold a request past the hot buffer")
     engine_loop = EngineLoop(engine)
     app = create_app(engine_loop, args.model_name(), args.max_queued_requests, args.api_key, args.max_request_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    grace = args.graceful_shutdown_timeout
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=grace + 5))  # a backstop for uvicorn's own wait
     http = threading.Thread(target=_serve_http, args=(server, engine_loop), name="hisparse-http")
+    shutdown = GracefulShutdown(server, engine_loop, grace, log)
     for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn listens to signals only in the main thread
-        signal.signal(signum, server.handle_exit)
+        signal.signal(signum, shutdown.handle)
     log.info("serving %r on http://%s:%d/v1 (HiSparse %s)", args.model_name(), args.host, args.port,
              "on" if config.enable_hisparse else "off")
     engine_loop.run(on_running=http.start)
@@ -68,6 +73,34 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     if not server.started:
         return fail(prog, f"could not serve on {args.host}:{args.port}; uvicorn's reason is logged above")
     return 0
+
+
+class GracefulShutdown:
+    """The first SIGTERM or SIGINT: new requests get 503 at once, uvicorn stops accepting connections, and the
+    running requests may go on for `grace` seconds; then the engine loop aborts them (a stream closes with an
+    error event, a plain request gets a 503), frees their memory and ends, and the process exits. A second
+    signal exits at once."""
+
+    def __init__(self, server, engine_loop, grace: float, log: logging.Logger) -> None:
+        self.server = server
+        self.engine_loop = engine_loop
+        self.grace = grace
+        self.log = log
+        self.signalled = False
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signalled:
+            self.log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        self.signalled = True
+        running = self.engine_loop.stats().get("running", 0)
+        self.log.info("%s: shutting down; %d running requests have %.0f s to finish", signal.Signals(signum).name,
+                      running, self.grace)
+        self.engine_loop.drain()
+        self.server.handle_exit(signum, frame)
+        timer = threading.Timer(self.grace, self.engine_loop.stop)
+        timer.daemon = True
+        timer.start()
 
 
 def _serve_http(server, engine_loop) -> None:

@@ -327,7 +327,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 while True:
                     event = await next_event(stream)
                     if isinstance(event, Failed):
-                        raise APIError(event.status, event.message, counted=event.status >= 500)
+                        raise APIError(event.status, event.message, code=event.code, counted=event.status >= 500)
                     assert isinstance(event, Delta)
                     parts.append(event.text)
                     if event.finish_reason is not None:
@@ -348,7 +348,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 while True:
                     event = await stream.get()
                     if isinstance(event, Failed):
-                        yield _sse(APIError(event.status, event.message).body().model_dump_json())
+                        yield _sse(APIError(event.status, event.message, code=event.code).body().model_dump_json())
                         break
                     assert isinstance(event, Delta)
                     for piece in pieces(event.text, event.finish_reason):

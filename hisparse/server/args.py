@@ -40,6 +40,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_server_warmup: bool = False
     api_key: str | None = None
+    graceful_shutdown_timeout: float = 5.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def engine_config(self) -> EngineConfig:
@@ -64,6 +65,19 @@ class ServerArgs:
 
         path = Path(self.model_path)
         return path.stem if path.is_file() else path.name
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -118,6 +132,9 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "server bound beyond loopback without one serves anyone who reaches the port)")
     ap.add_argument("--max-request-bytes", type=size_flag, default=d.max_request_bytes,
                     help="the largest request body taken; larger ones get 413 before they are read (default 16MiB)")
+    ap.add_argument("--graceful-shutdown-timeout", type=non_negative_float, default=d.graceful_shutdown_timeout,
+                    help="seconds running requests may go on after SIGTERM or SIGINT (new ones get 503); then they "
+                         "are aborted and the server exits. A second signal exits at once")
     ap.add_argument("--skip-server-warmup", action="store_true",
                     help="serve without first running one short request through the engine (which compiles its "
                          "kernels, or loads them from numba's cache, before the first user request)")

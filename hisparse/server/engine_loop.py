@@ -139,6 +139,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._stats: dict = engine.stats_dict()  # replaced whole by the engine thread, read by anyone
         self._started = False
+        self._draining = False  # set by `drain`: no new request is taken
         self._exited = threading.Event()
         self.metrics.bind(self.stats, self.num_queued)
 
@@ -169,6 +170,10 @@ class EngineLoop:
             self._run()
         finally:
             self._exited.set()
+
+    def drain(self) -> None:
+        """Take no new request (they get a 503) while the running ones go on: the first step of a shutdown."""
+        self._draining = True
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the loop to end (queued and running requests get a 503) and wait for it, from another thread."""
@@ -213,6 +218,8 @@ class EngineLoop:
         """Call from the event loop; events for the request arrive on the returned stream."""
         if not self.alive:
             raise EngineUnavailable("the engine is not running")
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
             self._in_flight += 1
@@ -357,4 +364,6 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("engine thread: abort at shutdown failed")
-            self._refuse(t.stream, Failed(503, "the server is shutting down"))
+            # Its stream closes with an error event after the text sent so far; a plain request gets the 503.
+            self._refuse(t.stream, Failed(503, "the server is shutting down: the request was aborted", None,
+                                          "server_shutting_down"))
