@@ -12,7 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from hisparse.cli_args import OneLineParser, positive_int, size_flag
+from hisparse.cli_args import OneLineParser, float_in, positive_int, size_flag
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -67,19 +67,6 @@ class ServerArgs:
         return path.stem if path.is_file() else path.name
 
 
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -132,7 +119,7 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "server bound beyond loopback without one serves anyone who reaches the port)")
     ap.add_argument("--max-request-bytes", type=size_flag, default=d.max_request_bytes,
                     help="the largest request body taken; larger ones get 413 before they are read (default 16MiB)")
-    ap.add_argument("--graceful-shutdown-timeout", type=non_negative_float, default=d.graceful_shutdown_timeout,
+    ap.add_argument("--graceful-shutdown-timeout", type=float_in(0.0), default=d.graceful_shutdown_timeout,
                     help="seconds running requests may go on after SIGTERM or SIGINT (new ones get 503); then they "
                          "are aborted and the server exits. A second signal exits at once")
     ap.add_argument("--skip-server-warmup", action="store_true",

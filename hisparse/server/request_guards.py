@@ -7,18 +7,19 @@ Content-Length says is too large, without reading it) and they never buffer a st
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hisparse.server.protocol import ErrorInfo, ErrorResponse
 
 OPEN_PATHS = ("/health",)  # answered without the API key: what a load balancer probes
 
 
 async def send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    """An OpenAI-style error body, sent straight through ASGI."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    """The OpenAI-style error body the handlers answer with too, sent straight through ASGI."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error", code=code)).model_dump_json()
+    body = body.encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     head += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": head})
