@@ -13,6 +13,7 @@ import torch
 
 from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
+from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
 from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
@@ -25,25 +26,29 @@ from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 class HiSparseKVCache(HiSparsePools):
     def __init__(self, layout: RowLayout, config: HiSparseConfig, budget_bytes: int, sparse: SparseAttention,
                  max_requests: int, max_context: int, scale: float, device: str = "cpu",
-                 swap_in_backend: str = "auto") -> None:
+                 swap_in_backend: str = "auto", prefix_caching: bool = False) -> None:
         super().__init__(layout.num_layers, layout.row_width, layout.row_dtype, sparse.index_key, config,
-                         budget_bytes, max_requests, max_context, device, swap_in_backend)
+                         budget_bytes, max_requests, max_context, device, swap_in_backend, prefix_caching)
         self.layout = layout
         self.scale = scale
         self.sparse = sparse
         self.selector = IndexSelector(self.index_cache, sparse.select_newest)
 
-    def can_admit(self, request: BatchedRequest) -> bool:
-        return self.can_allocate(request.max_total_tokens)
+    def admit(self, request: BatchedRequest) -> int | None:
+        """Give the request its hot buffer, host rows and indexer slots; returns how many prompt tokens it
+        reuses from the prefix cache, or None when it does not fit now."""
+        request.kv = self.allocate(request.max_total_tokens, request.prompt_token_ids)
+        return None if request.kv is None else request.kv.claim.cached
 
-    def admit(self, request: BatchedRequest) -> None:
-        request.kv = self.allocate(request.max_total_tokens)
+    def share_prefill(self, request: BatchedRequest) -> None:
+        """The prompt's host rows and indexer keys computed so far join the prefix cache."""
+        self.prefix.share(request.kv.claim, request.prompt_token_ids[:request.num_computed_tokens])
 
     def release(self, request: BatchedRequest) -> None:
         alloc: HiSparseAllocation | None = request.kv
         if alloc is None:
             return
-        self.free(alloc)
+        self.free(alloc, reusable_tokens(request, self.sparse))
         request.kv = None
 
     def bind(self, batch: ForwardBatch) -> HiSparseAttention:

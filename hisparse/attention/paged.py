@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
+from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
 from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
@@ -28,23 +28,23 @@ from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
 from hisparse.memory.host_memory import GIB, available_host_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
+from hisparse.memory.prefix_cache import PrefixCache, PrefixClaim
 from hisparse.memory.slot_allocator import SlotAllocator
 
 
 @dataclass
 class PagedAllocation:
-    """A request's rows, as the allocators gave them (numpy, to give back) and on the cache's device (where a
-    step's metadata is built from them)."""
+    """A request's rows, as the prefix cache gave them (its reused prefix's, then its own) and on the cache's
+    device (where a step's metadata is built from them)."""
 
-    given: np.ndarray  # pool row of each position
-    given_index: np.ndarray | None  # indexer-key slot of each position
-    slots: torch.Tensor  # int64 [max_total_tokens] on the device: `given`
-    index_slots: torch.Tensor | None = None  # int64 [max_total_tokens] on the device: `given_index`
+    claim: PrefixClaim  # columns: pool row, then (with an indexer) indexer-key slot, of each position
+    slots: torch.Tensor  # int64 [max_total_tokens] on the device: the pool row of each position
+    index_slots: torch.Tensor | None = None  # int64 [max_total_tokens] on the device: its indexer-key slot
 
 
 class PagedKVCache:
     def __init__(self, layout: RowLayout, num_slots: int, scale: float, device: str = "cpu",
-                 sparse: SparseAttention | None = None) -> None:
+                 sparse: SparseAttention | None = None, prefix_caching: bool = False) -> None:
         self.layout = layout
         self.scale = scale
         self.device = torch.device(device)
@@ -55,10 +55,12 @@ class PagedKVCache:
         self.index_cache = None if sparse is None else IndexerKeyCache(layout.num_layers, num_slots,
                                                                        sparse.index_key, device)
         self.selector = None if sparse is None else IndexSelector(self.index_cache, sparse.select_newest)
+        self.prefix = PrefixCache([self.allocator] + ([] if sparse is None else [self.index_cache.allocator]),
+                                  prefix_caching)
 
     @classmethod
     def from_budget(cls, layout: RowLayout, budget_bytes: int, scale: float, device: str = "cpu",
-                    sparse: SparseAttention | None = None):
+                    sparse: SparseAttention | None = None, prefix_caching: bool = False):
         """As many token slots as the budget buys; with an indexer each token also costs its index keys. A
         budget that buys none is refused here: a server started with it would refuse every request."""
         per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_key)
@@ -70,34 +72,38 @@ class PagedKVCache:
         if available is not None and num_slots * per_token > available:
             raise ValueError(f"the device KV budget ({budget_bytes / GIB:.1f} GiB) is more than this machine has "
                              f"available ({available / GIB:.1f} GiB); lower the device KV budget")
-        return cls(layout, num_slots, scale, device, sparse)
+        return cls(layout, num_slots, scale, device, sparse, prefix_caching)
 
     @property
     def capacity_tokens(self) -> int:
         return self.allocator.num_slots
 
-    def can_admit(self, request: BatchedRequest) -> bool:
-        return request.max_total_tokens <= self.allocator.num_free
+    def admit(self, request: BatchedRequest) -> int | None:
+        """Give the request its rows; returns how many prompt tokens it reuses from the prefix cache, or None
+        when its prompt + max_tokens do not fit now (cached prefixes nobody uses count as free)."""
+        claim = self.prefix.claim(request.prompt_token_ids, request.max_total_tokens)
+        if claim is None:
+            return None
+        slots = [torch.from_numpy(claim.column(i)).to(self.device) for i in range(claim.slots.shape[1])]
+        request.kv = PagedAllocation(claim, slots[0], None if self.index_cache is None else slots[1])
+        return claim.cached
 
-    def admit(self, request: BatchedRequest) -> None:
-        n = request.max_total_tokens
-        given = self.allocator.allocate(n)
-        given_index = None if self.index_cache is None else self.index_cache.allocator.allocate(n)
-        request.kv = PagedAllocation(given, given_index, torch.from_numpy(given).to(self.device),
-                                     None if given_index is None else torch.from_numpy(given_index).to(self.device))
+    def share_prefill(self, request: BatchedRequest) -> None:
+        """The prompt rows computed so far join the prefix cache, for the requests admitted after this step."""
+        self.prefix.share(request.kv.claim, request.prompt_token_ids[:request.num_computed_tokens])
 
     def release(self, request: BatchedRequest) -> None:
+        """Its computed rows stay in the prefix cache; the rest go back."""
         if request.kv is not None:
-            self.allocator.free(request.kv.given)
-            if request.kv.given_index is not None:
-                self.index_cache.allocator.free(request.kv.given_index)
+            self.prefix.release(request.kv.claim, reusable_tokens(request, self.sparse))
             request.kv = None
 
     def bind(self, batch: ForwardBatch) -> PagedAttention:
         return PagedAttention(self, batch)
 
     def usage(self) -> dict[str, int]:
-        return {"device_slots_total": self.allocator.num_slots, "device_slots_used": self.allocator.num_used}
+        return {"device_slots_total": self.allocator.num_slots, "device_slots_used": self.allocator.num_used,
+                **self.prefix.usage()}
 
 
 class PagedAttention:

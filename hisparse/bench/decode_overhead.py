@@ -88,8 +88,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
     if args.policies is not None and args.compare_indexer_kernels:
         parser.error("--policies and --compare-indexer-kernels are two different comparisons; pick one")
     try:
+        # Prefix caching off: every repeat sends the same prompts, and each is to prefill and decode as the first.
         hisparse = EngineConfig(device_kv_budget=BUDGET, max_running_requests=args.batch, chunked_prefill_size=1024,
-                                enable_hisparse=True, hisparse_config=args.hisparse_config)
+                                enable_hisparse=True, hisparse_config=args.hisparse_config,
+                                enable_prefix_caching=False)
     except ValueError as error:
         parser.error(f"argument --hisparse-config: {error}")
     files = open_model(None)

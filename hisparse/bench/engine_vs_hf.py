@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    # The dense model on both sides: this compares engines, not attention kinds.
-    engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes), sparse_attention=False),
+    # The dense model on both sides: this compares engines, not attention kinds; and every repeat prefills
+    # its prompts again, as transformers does.
+    engine = LLMEngine(EngineConfig(max_running_requests=max(args.batch_sizes), sparse_attention=False,
+                                    enable_prefix_caching=False),
                        model=load_llama(files, indexer=False), tokenizer=tokenizer)
     hf = AutoModelForCausalLM.from_pretrained(str(files.path.parent), gguf_file=files.path.name,
                                               dtype=torch.float32).eval()

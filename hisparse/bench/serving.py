@@ -1,9 +1,9 @@
 """Serving benchmark: the real server, HiSparse off and on under the same device KV budget, driven over HTTP
 with streaming OpenAI completions at a sweep of concurrencies.
 
-    python -m hisparse.bench_serving [--concurrency 1,4,16] [--prompt-tokens 1536] [--output-tokens 192]
-                                     [--rounds 1] [--min-requests 3] [--poll-interval 0.5] [--baseline-admits 4]
-                                     [--device-kv-budget SIZE]
+    python -m hisparse.bench_serving [--workload hisparse] [--concurrency 1,4,16] [--prompt-tokens 1536]
+                                     [--output-tokens 192] [--rounds 1] [--min-requests 3] [--poll-interval 0.5]
+                                     [--baseline-admits 4] [--device-kv-budget SIZE]
                                      [--hisparse-config JSON] [--out-dir bench_results/serving]
 
 The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
@@ -279,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[dict] = []
         total = 2 * sum(per_level.values()) * args.output_tokens
         with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
+            sent = 1  # windows used: the warm-up's, then each level's own
             for i, concurrency in enumerate(levels):
-                prompts = prompts_from(stream, per_level[concurrency], args.prompt_tokens)
+                prompts = prompts_from(stream, per_level[concurrency], args.prompt_tokens, first=sent)
+                sent += per_level[concurrency]
                 runs = level_in_turns(servers, model, prompts, args.output_tokens, concurrency, first=i % 2,
                                       bar=bar, poll_interval=args.poll_interval)
                 for mode in MODES:

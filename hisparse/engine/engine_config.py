@@ -25,6 +25,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the cache's rows: auto (the model's dtype), float32, bfloat16 or fp8_e4m3
     dtype: str = "auto"  # the model's weights and activations: auto, float32 or bfloat16 (see model_dtype)
     device: str = "cpu"
+    enable_prefix_caching: bool = True  # finished requests leave their KV in a radix tree for later prompts
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
     sparse_attention: bool = True  # decode attends to the indexer's top_k positions; False = dense decode
     top_k: int = 256
@@ -49,7 +50,7 @@ class EngineConfig:
         positive_int("max_running_requests")
         positive_int("chunked_prefill_size")
         positive_int("top_k")
-        for name in ("sparse_attention", "record_topk", "enable_hisparse"):
+        for name in ("sparse_attention", "record_topk", "enable_hisparse", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense_layers is not None:

@@ -30,6 +30,7 @@ class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache instead of computed
     generated_tokens: int = 0
     finished_requests: int = 0
     # Steps that only decoded (no prompt chunk in the batch): their tokens over their time is the decode
@@ -105,8 +106,9 @@ class LLMEngine:
             hisparse = self.config.hisparse_config.with_model_top_k(sparse.top_k)
             return HiSparseKVCache(layout, hisparse, budget, sparse, self.config.max_running_requests,
                                    self.max_model_len, attention_scale, self.config.device,
-                                   self.config.swap_in_backend)
-        return PagedKVCache.from_budget(layout, budget, attention_scale, self.config.device, sparse)
+                                   self.config.swap_in_backend, self.config.enable_prefix_caching)
+        return PagedKVCache.from_budget(layout, budget, attention_scale, self.config.device, sparse,
+                                        self.config.enable_prefix_caching)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -180,10 +182,11 @@ class LLMEngine:
             return []
         decode_only = not batch.prefill_spans
         tokens = self.runner.run(batch)
+        self.scheduler.advance(batch)
         for span in batch.spans:
-            span.request.num_computed_tokens = span.end
-            if span.start == 0:
+            if span.start == span.request.num_cached_tokens:  # its first prompt chunk
                 self.stats.prompt_tokens += span.request.num_prompt_tokens
+                self.stats.cached_prompt_tokens += span.request.num_cached_tokens
         now = time.perf_counter()
         for span, token in zip(batch.sample_spans, tokens, strict=True):
             self._append(span.request, token, now)
@@ -231,6 +234,10 @@ class LLMEngine:
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix."""
+        return self.cache.prefix.flush()
+
     def reset_stats(self) -> None:
         """Zero every counter stats_dict() reports (memory usage is live, not a counter), so that a server's
         metrics start from its first real request, not from its warm-up."""
@@ -245,7 +252,8 @@ class LLMEngine:
         """Engine counters, memory usage and (with HiSparse) hits, misses, evictions, bytes and seconds."""
         s = self.stats
         out = {"steps": s.steps, "step_seconds": s.step_seconds, "forward_seconds": self.runner.forward_seconds,
-               "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
+               "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+               "generated_tokens": s.generated_tokens,
                "finished_requests": s.finished_requests, "decode_steps": s.decode_steps,
                "decode_seconds": s.decode_seconds, "decode_tokens": s.decode_tokens,
                "running": len(self.scheduler.running),

@@ -33,6 +33,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache at admission
     finish_reason: str | None = None
     output_text: str = ""
     kv: Any = None  # the cache manager's allocation

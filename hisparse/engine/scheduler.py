@@ -3,7 +3,8 @@
 Every running request that has finished its prompt decodes one token each step; the rest of the
 step's token budget (`chunked_prefill_size`) goes to prompt chunks, first come first served. A request
 enters only when the cache manager can hold everything it could ever need (prompt + max_tokens), so a
-step can never run out of memory halfway: capacity is refused at the door, not discovered mid-step.
+step can never run out of memory halfway: capacity is refused at the door, not discovered mid-step. A
+prompt whose prefix the cache holds from an earlier request starts its prefill after that prefix.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from hisparse.formats.forward_batch import ForwardBatch
 
 
 class CacheManager(Protocol):
-    def can_admit(self, request: Request) -> bool: ...
-    def admit(self, request: Request) -> None: ...
+    def admit(self, request: Request) -> int | None:
+        """Allocate all the request could need; None when that does not fit now, else the number of prompt
+        tokens whose rows it reuses from the prefix cache (the prefill starts after them)."""
+        ...
+
+    def share_prefill(self, request: Request) -> None:
+        """The prompt rows the request has computed so far may be reused by requests admitted later."""
+        ...
+
     def release(self, request: Request) -> None: ...
 
 
@@ -41,17 +49,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> None:
-        while (self.waiting and len(self.running) < self.max_running_requests
-               and self.cache.can_admit(self.waiting[0])):
-            request = self.waiting.popleft()
-            self.cache.admit(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-        self.peak_running = max(self.peak_running, len(self.running))
-
     def schedule(self) -> ForwardBatch | None:
-        self._admit()
+        """Decodes first, then prompt chunks of running requests, then new requests while the step's token
+        budget lasts: a request is admitted only when its prefill can start, so that it matches the prefix
+        cache as late as possible (after the chunks of the requests before it)."""
         spans: list[tuple[Request, int]] = []
         budget = self.chunked_prefill_size
         for request in self.running:
@@ -63,7 +64,27 @@ class Scheduler:
                 n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
                 spans.append((request, n))
                 budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            cached = self.cache.admit(self.waiting[0])
+            if cached is None:
+                break
+            request = self.waiting.popleft()
+            request.num_computed_tokens = request.num_cached_tokens = cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            n = min(request.num_prompt_tokens - cached, budget)
+            spans.append((request, n))
+            budget -= n
+        self.peak_running = max(self.peak_running, len(self.running))
         return ForwardBatch.build(spans) if spans else None
+
+    def advance(self, batch: ForwardBatch) -> None:
+        """The step has run: its tokens' rows are in the cache, and prompt rows join the prefix cache."""
+        for span in batch.spans:
+            prefilling = span.request.in_prefill
+            span.request.num_computed_tokens = span.end
+            if prefilling:
+                self.cache.share_prefill(span.request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Retire a request (finished or aborted) and give back all of its memory."""

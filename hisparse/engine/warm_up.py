@@ -71,6 +71,8 @@ def _run_warm_up(engine: LLMEngine, prompt: list[int]) -> None:
 
 
 def _run_one(engine: LLMEngine, prompt: list[int]) -> None:
+    """One request, its prefill run in full: what it left in the prefix cache is dropped after it."""
     engine.add_request(prompt, WARM_UP_PARAMS)
     while engine.has_unfinished:
         engine.step()
+    engine.flush_cache()

@@ -16,6 +16,7 @@ class BatchedRequest(Protocol):
     """What a batch and the attention backends read of a request (the engine's `Request`)."""
 
     kv: Any  # the cache's allocation
+    prompt_token_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
     max_total_tokens: int  # what the cache must hold for it by the time it ends

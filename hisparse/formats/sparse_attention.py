@@ -64,6 +64,13 @@ class SparseAttention:
     def recorded_next_ranks(self) -> int:
         return TRACE_NEXT_PER_TOP_K * self.top_k if self.trace_next_ranks is None else self.trace_next_ranks
 
+    @property
+    def decode_matches_prefill(self) -> bool:
+        """A decoded token's cached row is the one a prompt of the same tokens would leave: decode attends as
+        prefill does (dense decode, or DSA's sparse prefill). Else (the retrofit model: dense prefill, sparse
+        decode) prefix reuse shares prompt rows only, so that reuse never changes what a prompt computes."""
+        return not self.enabled or self.sparse_prefill
+
     def sparse_in(self, layer: int) -> bool:
         return self.enabled and layer not in self.dense_layers
 

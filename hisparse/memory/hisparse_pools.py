@@ -15,7 +15,8 @@ buffer, evicting by the configured policy, and the newest position reads the res
 
 Sizing follows the reference: one device "cell" = layers x (row_bytes + ratio x indexer_bytes), so the
 budget buys `device_slots` rows and `device_slots x ratio` logical tokens (host rows and indexer keys).
-A request is admitted only when its hot buffer, its host rows and its indexer slots are all free.
+A request is admitted only when its hot buffer, its host rows and its indexer slots are all free; host rows
+and indexer keys of a prefix cached by an earlier request are reused (`memory.prefix_cache`).
 
 Co-located flow: prefill writes the prompt's rows to the host pool and attends over them there (on a GPU
 this is where the reference stages prefill on the device before the backup); before the first decode
@@ -26,6 +27,7 @@ the device only its hot buffer.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,7 @@ from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.host_memory import GIB, available_host_memory, host_empty
 from hisparse.memory.indexer_cache import IndexerKeyCache
+from hisparse.memory.prefix_cache import PrefixCache, PrefixClaim
 from hisparse.memory.slot_allocator import SlotAllocator
 from hisparse.memory.swap_in import bound_swap_in
 
@@ -46,6 +49,7 @@ class HiSparseAllocation:
     device_rows: np.ndarray  # device row of each hot slot, then (if it can outgrow them) the reserved one
     host_rows: np.ndarray  # host row of every position it may hold
     index_slots: np.ndarray  # indexer-key slot of every position
+    claim: PrefixClaim  # host_rows and index_slots, as the prefix cache gave them (a reused prefix's first)
     loaded: bool = False  # its prompt's tail has been copied into the hot buffer
     buffered: bool = False  # its slot tables are live (it has outgrown the fast path)
 
@@ -183,7 +187,7 @@ class HiSparsePools:
 
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
                  config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
-                 device: str = "cpu", swap_in_backend: str = "auto") -> None:
+                 device: str = "cpu", swap_in_backend: str = "auto", prefix_caching: bool = False) -> None:
         self.num_layers = num_layers
         self.config = config
         self.device = device
@@ -208,6 +212,8 @@ class HiSparsePools:
         self.device_allocator = SlotAllocator(self.device_slots)
         self.host_allocator = SlotAllocator(self.logical_capacity)
         self.row_allocator = SlotAllocator(max_requests)
+        # A cached prefix is its host rows and indexer keys; hot buffers are never shared.
+        self.prefix = PrefixCache([self.host_allocator, self.index_cache.allocator], prefix_caching)
         tables = [new_slot_tables(max_requests, buffer, device) for _ in range(num_layers)]
         self.slot_pos = torch.stack([t[0] for t in tables])  # [L, R, S]
         self.lru = torch.stack([t[1] for t in tables])  # [L, R, S]
@@ -236,37 +242,36 @@ class HiSparsePools:
         return self.logical_capacity
 
     def can_allocate(self, total_tokens: int) -> bool:
+        """Whether a request of `total_tokens` fits now, reusing nothing (cached prefixes nobody uses are free)."""
         device, logical = self._needs(total_tokens)
-        return (device <= self.device_allocator.num_free and logical <= self.host_allocator.num_free
-                and logical <= self.index_cache.allocator.num_free and self.row_allocator.num_free > 0)
+        return (device <= self.device_allocator.num_free and logical <= self.prefix.num_free
+                and self.row_allocator.num_free > 0)
 
-    def allocate(self, total_tokens: int) -> HiSparseAllocation:
-        """Everything a request of at most `total_tokens` tokens will hold; check `can_allocate` first."""
+    def allocate(self, total_tokens: int, prompt: Sequence[int] = ()) -> HiSparseAllocation | None:
+        """Everything a request of at most `total_tokens` tokens will hold, its host rows and indexer keys
+        reusing the longest cached prefix of `prompt`; None when it does not fit now."""
         if total_tokens < 1 or total_tokens > self.max_context:
             raise ValueError(f"a request must hold between 1 and {self.max_context} tokens (max_context), "
                              f"got {total_tokens}")
         device, logical = self._needs(total_tokens)
-        taken = []  # (allocator, slots): given back if a later allocation fails, so a refusal leaks nothing
-        try:
-            for allocator, count in ((self.row_allocator, 1), (self.device_allocator, device),
-                                     (self.host_allocator, logical), (self.index_cache.allocator, logical)):
-                taken.append((allocator, allocator.allocate(count)))
-        except Exception:
-            for allocator, slots in taken:
-                allocator.free(slots)
-            raise
-        rows, device_rows, host_rows, index_slots = (slots for _, slots in taken)
-        row = int(rows[0])
-        alloc = HiSparseAllocation(row, device_rows, host_rows, index_slots)
+        if device > self.device_allocator.num_free or self.row_allocator.num_free == 0:
+            return None
+        claim = self.prefix.claim(prompt, logical)
+        if claim is None:
+            return None
+        row = int(self.row_allocator.allocate(1)[0])
+        alloc = HiSparseAllocation(row, self.device_allocator.allocate(device), claim.column(0), claim.column(1),
+                                   claim)
         hot = alloc.device_rows[:self.config.device_buffer_size]
         self.device_rows[row, :hot.size] = torch.from_numpy(hot)
         self.host_rows[row, :logical] = torch.from_numpy(alloc.host_rows)
         return alloc
 
-    def free(self, alloc: HiSparseAllocation) -> None:
+    def free(self, alloc: HiSparseAllocation, computed: Sequence[int] = ()) -> None:
+        """Give back a request's hot buffer and table row; the host rows and indexer keys of its `computed`
+        tokens stay in the prefix cache (with it on), the rest go back."""
         self.device_allocator.free(alloc.device_rows)
-        self.host_allocator.free(alloc.host_rows)
-        self.index_cache.allocator.free(alloc.index_slots)
+        self.prefix.release(alloc.claim, computed)
         for layer in range(self.num_layers):
             reset_row(self.slot_pos[layer], self.lru[layer], alloc.row, (), self.policies[layer])
         self.row_allocator.free(np.array([alloc.row]))
@@ -277,7 +282,7 @@ class HiSparsePools:
                 "host_slots_total": self.host_allocator.num_slots,
                 "host_slots_used": self.host_allocator.num_used,
                 "indexer_slots_total": self.index_cache.allocator.num_slots,
-                "indexer_slots_used": self.index_cache.allocator.num_used}
+                "indexer_slots_used": self.index_cache.allocator.num_used, **self.prefix.usage()}
 
     # -- the hot buffer ---------------------------------------------------------------------------
 

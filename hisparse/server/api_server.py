@@ -320,7 +320,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 engine_loop.abort(stream.request_id)
         return close
 
-    async def collect(stream: RequestStream, raw: Request) -> tuple[str, int, str]:
+    async def collect(stream: RequestStream, raw: Request) -> tuple[str, Delta]:
+        """The whole text, and the last event (its finish reason and token counts)."""
         parts: list[str] = []
         try:
             async with abort_on_disconnect(stream, raw):
@@ -331,16 +332,21 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                     assert isinstance(event, Delta)
                     parts.append(event.text)
                     if event.finish_reason is not None:
-                        return "".join(parts), event.completion_tokens, event.finish_reason
+                        return "".join(parts), event
         finally:
             on_close(stream)()  # a handler that ends early for any reason frees the request's memory
 
-    async def respond(stream: RequestStream, raw: Request, streaming: bool, include_usage: bool, opening: list[str],
-                      pieces: Callable[[str, str | None], list[str]], usage_chunk: Callable[[int], BaseModel],
-                      whole: Callable[[str, int, str], BaseModel]) -> Response:
+    async def respond(stream: RequestStream, raw: Request, streaming: bool, include_usage: bool, prompt_tokens: int,
+                      opening: list[str], pieces: Callable[[str, str | None], list[str]],
+                      usage_chunk: Callable[[Usage], BaseModel],
+                      whole: Callable[[str, str, Usage], BaseModel]) -> Response:
         """Stream the request's output as server-sent events ending in [DONE], or collect it into one JSON
         body. The two endpoints differ only in how they wrap the pieces: `opening` events, the events of
         one piece of text and/or the finish reason, the usage chunk and the whole answer."""
+
+        def usage(last: Delta) -> Usage:
+            return Usage.of(prompt_tokens, last.completion_tokens, last.cached_tokens)
+
         if streaming:
             async def events() -> AsyncIterator[str]:
                 for event in opening:
@@ -355,16 +361,16 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                         yield piece
                     if event.finish_reason is not None:
                         if include_usage:
-                            yield _sse(usage_chunk(event.completion_tokens).model_dump_json())
+                            yield _sse(usage_chunk(usage(event)).model_dump_json())
                         break
                 yield _sse("[DONE]")
 
             return _AbortOnCloseResponse(events(), on_close(stream))
         try:
-            text, completion_tokens, finish_reason = await collect(stream, raw)
+            text, last = await collect(stream, raw)
         except _ClientGone:
             return Response(status_code=499)
-        return JSONResponse(whole(text, completion_tokens, finish_reason).model_dump())
+        return JSONResponse(whole(text, last.finish_reason, usage(last)).model_dump())
 
     # -- routes ---------------------------------------------------------------------------------------
 
@@ -377,6 +383,18 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's endpoint: drop every cached prefix, refused while a running request reuses one."""
+        try:
+            flushed = await engine_loop.flush_cache()
+        except EngineUnavailable as error:
+            raise APIError(503, str(error), code="engine_unavailable") from None
+        if not flushed:
+            raise APIError(400, "the prefix cache is in use by running requests; flush it when they have ended",
+                           code="cache_in_use")
+        return Response("Cache flushed.\n", media_type="text/plain")
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -412,13 +430,12 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             return _sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
         return await respond(
-            stream, raw, body.stream, include_usage, [],
+            stream, raw, body.stream, include_usage, prompt_tokens, [],
             lambda text, finish: [chunk(text, finish)] if text or finish is not None else [],
-            lambda tokens: CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
-                                              usage=Usage.of(prompt_tokens, tokens)),
-            lambda text, tokens, finish: CompletionResponse(
+            lambda usage: CompletionResponse(id=request_id, created=created, model=model_name, choices=[], usage=usage),
+            lambda text, finish, usage: CompletionResponse(
                 id=request_id, created=created, model=model_name,
-                choices=[CompletionChoice(text=text, finish_reason=finish)], usage=Usage.of(prompt_tokens, tokens)))
+                choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
@@ -454,12 +471,12 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 [chunk(ChatDelta(), finish)] if finish is not None else [])
 
         return await respond(
-            stream, raw, body.stream, include_usage, [chunk(ChatDelta(role="assistant", content=""), None)], pieces,
-            lambda tokens: ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                               usage=Usage.of(prompt_tokens, tokens)),
-            lambda text, tokens, finish: ChatCompletionResponse(
+            stream, raw, body.stream, include_usage, prompt_tokens,
+            [chunk(ChatDelta(role="assistant", content=""), None)], pieces,
+            lambda usage: ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
+                                              usage=usage),
+            lambda text, finish, usage: ChatCompletionResponse(
                 id=request_id, created=created, model=model_name,
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)],
-                usage=Usage.of(prompt_tokens, tokens)))
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)], usage=usage))
 
     return app

@@ -33,6 +33,7 @@ class ServerArgs:
     device_kv_budget: int | None = None
     top_k: int = 256
     disable_sparse_attention: bool = False
+    disable_radix_cache: bool = False
     swap_in_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     dtype: str = "auto"
@@ -51,7 +52,8 @@ class ServerArgs:
                             dtype=self.dtype, device=self.device, sparse_attention=not self.disable_sparse_attention,
                             top_k=self.top_k,
                             enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
-                            swap_in_backend=self.swap_in_backend)
+                            swap_in_backend=self.swap_in_backend,
+                            enable_prefix_caching=not self.disable_radix_cache)
 
     def model_name(self) -> str:
         """What clients put in `model`: the flag, else the model file's or folder's name."""
@@ -106,6 +108,9 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help="tokens each sparse decode step attends to (a DSA model's own index_topk wins)")
     ap.add_argument("--disable-sparse-attention", action="store_true",
                     help="decode densely even when the model has an indexer")
+    ap.add_argument("--disable-radix-cache", action="store_true",
+                    help="do not keep finished requests' KV for prompts that start with the same tokens (prefix "
+                         "caching, on by default)")
     ap.add_argument("--swap-in-backend", choices=["auto", "cpu", "reference", "triton"], default=d.swap_in_backend)
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                     help="the cache's rows (auto: the model's dtype); fp8_e4m3 is the DSA models' 656-byte latent")

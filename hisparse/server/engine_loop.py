@@ -25,6 +25,7 @@ step (the engine cannot say which one caused it) and frees their memory; the loo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -56,6 +57,7 @@ class Delta:
     text: str  # new text since the last Delta
     completion_tokens: int  # tokens generated so far
     finish_reason: str | None  # set on the last Delta: stop, length or abort
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,11 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _Flush:
+    done: concurrent.futures.Future  # set to whether the prefix cache was emptied
+
+
 @dataclass
 class _Tracked:
     """What the thread remembers about a request between steps to cut its output into deltas."""
@@ -133,7 +140,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Flush | _Stop] = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._in_flight = 0  # submitted and not yet ended; both threads, under _lock
         self._lock = threading.Lock()
@@ -231,6 +238,14 @@ class EngineLoop:
         """Harmless for a request that already ended; commands run in order, so never overtakes its add."""
         self._commands.put(_Abort(request_id))
 
+    async def flush_cache(self) -> bool:
+        """Empty the engine's prefix cache between two steps; False while a running request reuses it."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Flush(done))
+        return await asyncio.wrap_future(done)
+
     # -- the engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -246,6 +261,8 @@ class EngineLoop:
                 try:
                     if isinstance(command, _Add):
                         self._add(command)
+                    elif isinstance(command, _Flush):
+                        command.done.set_result(self.engine.flush_cache())
                     else:
                         self._abort(command.request_id)
                 except Exception:  # a bug here must not end the thread
@@ -259,7 +276,7 @@ class EngineLoop:
                 log.exception("engine thread: stats_dict failed")
             stalled = stalled and self._stats.get("running", 0) == 0
 
-    def _take_commands(self, block: bool, timeout: float | None) -> list[_Add | _Abort | _Stop]:
+    def _take_commands(self, block: bool, timeout: float | None) -> list[_Add | _Abort | _Flush | _Stop]:
         try:
             commands = [self._commands.get(timeout=timeout) if block else self._commands.get_nowait()]
         except queue.Empty:
@@ -335,7 +352,8 @@ class EngineLoop:
         delta = text[t.sent_chars:end] if end > t.sent_chars else ""
         t.sent_chars += len(delta)
         t.sent_tokens = tokens
-        t.stream.put(Delta(delta, tokens, request.finish_reason if request.finished else None))
+        t.stream.put(Delta(delta, tokens, request.finish_reason if request.finished else None,
+                           request.num_cached_tokens))
         if request.finished:
             del self._tracked[request.request_id]
             self.metrics.e2e_latency.observe(now - t.arrival)
@@ -355,9 +373,12 @@ class EngineLoop:
             self._refuse(t.stream, Failed(500, f"internal error while generating: {type(error).__name__}: {error}"))
 
     def _shutdown(self) -> None:
-        pending = [c for c in self._take_commands(block=False, timeout=None) if isinstance(c, _Add)]
+        pending = self._take_commands(block=False, timeout=None)
         for command in pending:
-            self._refuse(command.stream, Failed(503, "the server is shutting down"))
+            if isinstance(command, _Add):
+                self._refuse(command.stream, Failed(503, "the server is shutting down"))
+            elif isinstance(command, _Flush):
+                command.done.set_exception(EngineUnavailable("the server is shutting down"))
         for request_id, t in list(self._tracked.items()):
             del self._tracked[request_id]
             try:

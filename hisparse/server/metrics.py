@@ -41,8 +41,16 @@ class _EngineCollector(Collector):
                                 value=stats.get("running", 0))
         yield GaugeMetricFamily("hisparse_num_queued_requests",
                                 "Requests accepted by the server and waiting for a running slot", value=self.queued())
-        yield CounterMetricFamily("hisparse_prompt_tokens", "Prompt tokens prefilled",
+        yield CounterMetricFamily("hisparse_prompt_tokens", "Prompt tokens of the requests that started (cached ones "
+                                  "included)",
                                   value=stats.get("prompt_tokens", 0))
+        yield CounterMetricFamily("hisparse_cached_prompt_tokens", "Prompt tokens reused from the prefix cache, "
+                                  "not prefilled", value=stats.get("cached_prompt_tokens", 0))
+        memory = stats.get("memory", {})
+        yield GaugeMetricFamily("hisparse_prefix_cache_tokens", "Tokens the prefix cache (radix tree) holds",
+                                value=memory.get("prefix_cache_tokens", 0))
+        yield GaugeMetricFamily("hisparse_prefix_cache_evictable_tokens", "Tokens of the prefix cache that no running "
+                                "request uses (free to evict)", value=memory.get("prefix_cache_evictable_tokens", 0))
         yield CounterMetricFamily("hisparse_generation_tokens", "Tokens generated",
                                   value=stats.get("generated_tokens", 0))
         yield CounterMetricFamily("hisparse_engine_steps", "Engine steps run", value=stats.get("steps", 0))
@@ -53,12 +61,12 @@ class _EngineCollector(Collector):
                                   value=stats.get("decode_steps", 0))
         yield CounterMetricFamily("hisparse_engine_decode_seconds", "Time in engine steps that only decoded",
                                   value=stats.get("decode_seconds", 0.0))
-        used = GaugeMetricFamily("hisparse_kv_slots_used", "KV token slots in use, per pool", labels=["pool"])
+        used = GaugeMetricFamily("hisparse_kv_slots_used", "KV token slots in use, per pool (the prefix cache's "
+                                 "included)", labels=["pool"])
         total = GaugeMetricFamily("hisparse_kv_slots_total", "KV token slots, per pool", labels=["pool"])
         ratio = GaugeMetricFamily("hisparse_kv_usage", "Share of KV token slots in use, per pool", labels=["pool"])
         # "device" is the hot buffer (or the whole paged cache without HiSparse), "host" the host pool,
         # "indexer" the indexer's key cache.
-        memory = stats.get("memory", {})
         for key, value in memory.items():
             if key.endswith("_slots_used"):
                 pool = key.removesuffix("_slots_used")

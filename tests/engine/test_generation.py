@@ -112,6 +112,12 @@ def test_invalid_prompts_are_refused_naming_the_field(llm, prompt, max_tokens, f
     assert not llm.engine.has_unfinished
 
 
+def holds_only_the_prefix_cache(engine) -> bool:
+    """Every slot in use is the prefix cache's, and no request references it."""
+    tree = engine.cache.prefix.tree
+    return engine.cache.allocator.num_used == tree.total_size and tree.protected_size == 0
+
+
 def test_admission_is_bounded_by_the_budget_and_nothing_leaks(llama, tokenizer):
     # Room for exactly two requests of 8 + 24 tokens: the other two wait, none fails mid-step.
     per_token = llama.config.num_layers * 2 * llama.config.kv_size * llama.embed_tokens.weight.element_size()
@@ -120,7 +126,7 @@ def test_admission_is_bounded_by_the_budget_and_nothing_leaks(llama, tokenizer):
     outs = llm.generate(prompts, GREEDY)
     assert all(len(o.token_ids) == 24 for o in outs)
     assert llm.engine.scheduler.peak_running == 2
-    assert llm.engine.cache.allocator.num_free == llm.engine.cache.capacity_tokens
+    assert holds_only_the_prefix_cache(llm.engine)
     with pytest.raises(ValueError, match="capacity"):
         llm.generate([[1] * 60], GREEDY)
 
@@ -164,7 +170,7 @@ def test_a_request_is_checked_as_it_is_added(llm):
     with pytest.raises(ValueError, match="stop must be a string or a list"):
         SamplingParams(stop=5)
     llm.engine.abort("same")
-    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished
+    assert holds_only_the_prefix_cache(llm.engine) and not llm.engine.has_unfinished
 
 
 def test_a_failed_step_leaves_nothing_behind(llm, monkeypatch):
@@ -180,7 +186,7 @@ def test_a_failed_step_leaves_nothing_behind(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
-    assert llm.engine.cache.allocator.num_used == 0 and not llm.engine.has_unfinished
+    assert holds_only_the_prefix_cache(llm.engine) and not llm.engine.has_unfinished
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
 
 
@@ -207,7 +213,7 @@ def test_abort_frees_memory(llm):
     assert engine.cache.allocator.num_used > 0
     engine.abort(request.request_id)
     assert request.finish_reason == "abort"
-    assert engine.cache.allocator.num_used == 0
+    assert holds_only_the_prefix_cache(engine) and engine.cache.prefix.tree.total_size > 0  # its computed rows
     assert not engine.has_unfinished
 
 
@@ -221,7 +227,7 @@ def test_an_aborted_request_id_can_be_used_again(llm):
     engine.abort("again")
     assert engine.add_request(PROMPTS[2], GREEDY, request_id="again").finish_reason is None
     engine.abort("again")
-    assert not engine.has_unfinished and engine.cache.allocator.num_used == 0
+    assert not engine.has_unfinished and holds_only_the_prefix_cache(engine)
 
 
 def test_a_request_of_exactly_the_context_length_is_accepted(llm, monkeypatch):
@@ -239,7 +245,7 @@ def test_a_request_that_needs_the_whole_cache_is_accepted_and_runs(llama, tokeni
     request = engine.add_request([1] * (capacity - 2), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     for _ in range(4):  # a prefill and two decodes, or it was left waiting
         engine.step()
-    assert request.finish_reason == "length" and engine.cache.allocator.num_used == 0
+    assert request.finish_reason == "length" and holds_only_the_prefix_cache(engine)
     with pytest.raises(ValueError, match="capacity"):
         llm.generate([[1] * (capacity - 1)], SamplingParams(max_tokens=2))
 
@@ -275,8 +281,7 @@ def run_scheduler(scheduler: Scheduler, requests: list[Request], max_steps: int 
         batch = scheduler.schedule()
         assert batch is not None, "work waiting but nothing scheduled"
         yield batch.spans, list(scheduler.running)
-        for span in batch.spans:
-            span.request.num_computed_tokens = span.end
+        scheduler.advance(batch)
         for span in batch.sample_spans:
             span.request.output_token_ids.append(0)
             if len(span.request.output_token_ids) >= span.request.params.max_tokens:

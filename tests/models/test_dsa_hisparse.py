@@ -76,6 +76,8 @@ def assert_hot_rows_are_host_rows(cache, requests) -> int:
 
 
 def assert_all_free(cache) -> None:
+    """Nothing held once the prefix cache is flushed."""
+    assert cache.prefix.flush()
     usage = cache.usage()
     assert usage["device_slots_used"] == usage["host_slots_used"] == usage["indexer_slots_used"] == 0
     assert cache.row_allocator.num_used == 0

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import pytest
 import uvicorn
 
@@ -22,23 +23,27 @@ from hisparse.server.engine_loop import EngineLoop
 
 
 class RunningServer:
-    def __init__(self, base_url: str, engine_loop: EngineLoop) -> None:
+    def __init__(self, base_url: str, engine_loop: EngineLoop, api_key: str | None = None) -> None:
         self.base_url = base_url
         self.engine_loop = engine_loop
+        self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
     @property
     def v1(self) -> str:
         return f"{self.base_url}/v1"
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
-        """Until nothing runs or waits and no KV slot is held; returns the engine's stats then."""
+        """Until nothing runs or waits and, the prefix cache flushed (`POST /flush_cache`), no KV slot is held;
+        returns the engine's stats then."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.engine_loop.stats()
             used = {k: v for k, v in stats["memory"].items() if k.endswith("_used") and v}
-            if (self.engine_loop.num_in_flight() == 0 and stats["running"] == 0 and stats["waiting"] == 0
-                    and not used):
+            idle = self.engine_loop.num_in_flight() == 0 and stats["running"] == 0 and stats["waiting"] == 0
+            if idle and not used:
                 return stats
+            if idle and stats["memory"].get("prefix_cache_tokens"):
+                httpx.post(f"{self.base_url}/flush_cache", headers=self.headers, timeout=timeout)
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout}s: in flight "
                                      f"{self.engine_loop.num_in_flight()}, stats {stats}")
@@ -63,7 +68,7 @@ def serve(engine: LLMEngine, model_name: str, max_queued_requests: int = 256, **
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine_loop)
+        yield RunningServer(f"http://127.0.0.1:{port}", engine_loop, app_args.get("api_key"))
     finally:
         server.should_exit = True
         thread.join(30)

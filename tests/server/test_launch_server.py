@@ -76,6 +76,7 @@ def test_a_drained_loop_refuses_new_requests_and_its_stop_frees_the_running_ones
 
     asyncio.run(drained())
     assert isinstance(events[-1], Failed) and (events[-1].status, events[-1].code) == (503, "server_shutting_down")
+    assert engine.flush_cache()  # no request references the prefix cache any more
     assert all(v == 0 for k, v in engine.stats_dict()["memory"].items() if k.endswith("_used"))
 
 
