@@ -27,8 +27,10 @@ RUNNING_GAUGE = "hisparse_num_running_requests"
 
 @dataclass
 class RequestResult:
-    prompt_tokens: int
+    prompt_tokens: int  # the server's usage count once it has answered (the client's before)
     output_tokens: int = 0  # the server's usage count
+    cached_tokens: int = 0  # prompt tokens the server reused from its prefix cache (usage.prompt_tokens_details)
+    text: str = ""
     ttft: float | None = None  # seconds
     itl: list[float] = field(default_factory=list)  # seconds between consecutive text chunks
     latency: float = 0.0  # seconds from sending to the last chunk
@@ -44,14 +46,20 @@ class LevelRun:
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int],
                             max_tokens: int, on_chunk: Callable[[int], None]) -> RequestResult:
-    """One streamed request; on_chunk(n) reports n more tokens as they are known (for a progress bar)."""
+    """One streamed completion of `prompt`; on_chunk(n) reports n more tokens as they are known."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(prompt_tokens=len(prompt))
+    return await stream_request(client, f"{base_url}/v1/completions", body, on_chunk, len(prompt))
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, on_chunk: Callable[[int], None],
+                         prompt_tokens: int = 0) -> RequestResult:
+    """One streamed completion or chat completion (`body` asks for the usage chunk), timed chunk by chunk."""
+    result = RequestResult(prompt_tokens=prompt_tokens)
     chunks = 0
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
@@ -66,15 +74,21 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                 if "error" in chunk:
                     result.error = f"stream error: {chunk['error'].get('message')}"
                     break
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                usage = chunk.get("usage")
+                if usage:
+                    result.output_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                text = "".join(choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                               for choice in chunk.get("choices", []))
+                if text:
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
                     last = now
+                    result.text += text
                     chunks += 1
                     on_chunk(1)
     except httpx.HTTPError as error:
