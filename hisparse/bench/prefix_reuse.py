@@ -71,10 +71,11 @@ def budgets(args, files) -> dict[bool, int]:
         raise ValueError(f"--shared-tokens + --own-tokens + --output-tokens = {request_tokens} exceeds the "
                          f"model's context ({max_context} tokens)")
     config = HiSparseConfig.parse(json.dumps(HISPARSE_CONFIG))
-    slots = args.requests * (min(request_tokens, config.device_buffer_size + 1))
     cell = PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, 0).cell_bytes
-    logical = max(slots, -(-args.requests * request_tokens // config.host_to_device_ratio))
-    hisparse = PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, (logical + 1) * cell)
+    # Device slots for every request's hot buffer, and enough that the host pool (ratio x them) holds them all.
+    hot = args.requests * min(request_tokens, config.device_buffer_size + 1)
+    device_slots = max(hot, -(-args.requests * request_tokens // config.host_to_device_ratio))
+    hisparse = PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, (device_slots + 1) * cell)
     hisparse.check("cpu", max_context)
     return {False: (args.requests + 1) * request_tokens * layout.baseline_bytes_per_token(index_key),
             True: hisparse.budget_bytes}

@@ -156,6 +156,3 @@ class RadixCache:
         """Every slot the tree holds [total_size, width]."""
         values = [n.value for n in self._nodes()]
         return np.concatenate(values) if values else np.empty((0, self.width), np.int64)
-
-    def num_nodes(self) -> int:
-        return sum(1 for _ in self._nodes())
