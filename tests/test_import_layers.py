@@ -1,7 +1,7 @@
-"""The package's imports run one way: entry points -> engine -> models -> layers / attention -> memory -> kernels
--> formats (data and cli_args, which import nothing of ours, sit at the bottom too). A package that imports one
-above it, or packages of one rank that import each other in a circle, fail here: the source is parsed, not
-run, so lazy imports inside functions count too."""
+"""The package's imports run one way: entry points -> engine / disaggregation -> models -> layers / attention ->
+memory -> kernels -> formats (data and cli_args, which import nothing of ours, sit at the bottom too). A package
+that imports one above it, or packages of one rank that import each other in a circle, fail here: the source is
+parsed, not run, so lazy imports inside functions count too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import hisparse
 ROOT = Path(hisparse.__file__).parent
 # Each package's rank: a package may import only packages of a lower rank (or modules of its own).
 RANKS = {"formats": 0, "data": 0, "cli_args": 0, "kernels": 1, "memory": 2, "attention": 3, "layers": 3,
-         "models": 4, "engine": 5, "server": 6, "bench": 6, "tools": 6}
+         "models": 4, "engine": 5, "disaggregation": 5, "server": 6, "bench": 6, "tools": 6}
 ENTRY_POINT_RANK = 6  # the other top-level modules: llm, launch_server, demo, plan, bench_serving, ...
 
 

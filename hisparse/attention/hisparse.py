@@ -51,6 +51,10 @@ class HiSparseKVCache(HiSparsePools):
         self.free(alloc, reusable_tokens(request, self.sparse))
         request.kv = None
 
+    def row_pools(self) -> list[tuple[str, torch.Tensor]]:
+        """The pools a position's slots (the prefix claim's columns) index, named: its host row, its indexer keys."""
+        return [("kv", self.host_kv), ("index_keys", self.index_cache.rows)]
+
     def bind(self, batch: ForwardBatch) -> HiSparseAttention:
         return HiSparseAttention(self, batch)
 

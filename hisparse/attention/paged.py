@@ -98,6 +98,10 @@ class PagedKVCache:
             self.prefix.release(request.kv.claim, reusable_tokens(request, self.sparse))
             request.kv = None
 
+    def row_pools(self) -> list[tuple[str, torch.Tensor]]:
+        """The pools a position's slots (the prefix claim's columns) index, named: its row, its indexer keys."""
+        return [("kv", self.kv)] + ([] if self.index_cache is None else [("index_keys", self.index_cache.rows)])
+
     def bind(self, batch: ForwardBatch) -> PagedAttention:
         return PagedAttention(self, batch)
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hisparse.attention.hisparse import HiSparseKVCache
@@ -113,8 +114,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, record_topk: bool | None = None) -> Request:
-        """record_topk: record this request's top-k selections (None = EngineConfig.record_topk)."""
+                    request_id: str | None = None, record_topk: bool | None = None, remote_prefill: bool = False,
+                    hold_kv: bool = False) -> Request:
+        """record_topk: record this request's top-k selections (None = EngineConfig.record_topk).
+        remote_prefill, hold_kv: the request's part in prefill-decode disaggregation (`Request`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
@@ -130,6 +133,7 @@ class LLMEngine:
         ids = self._prompt_ids(prompt)
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
         request.record_topk = self.config.record_topk if record_topk is None else record_topk
+        request.remote_prefill, request.hold_kv = remote_prefill, hold_kv
         if request.record_topk and self.config.enable_hisparse:
             raise RequestError("record_topk records from the baseline cache: record with enable_hisparse off",
                                "record_topk")
@@ -234,6 +238,38 @@ class LLMEngine:
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
 
+    # -- prefill-decode disaggregation -----------------------------------------------------------------
+
+    def row_pools(self) -> list[tuple[str, torch.Tensor]]:
+        """The pools a request's rows live in, each [layers, rows, row width], in the order of `row_slots`."""
+        return self.cache.row_pools()
+
+    def row_slots(self, request: Request) -> np.ndarray:
+        """int64 [max_total_tokens, len(row_pools())]: the row of each of the request's positions in each pool."""
+        return request.kv.claim.slots
+
+    def find_request(self, request_id: str) -> Request | None:
+        """An unfinished request, or a finished one whose rows are held."""
+        s = self.scheduler
+        held = s.held.get(request_id)
+        return held or next((r for r in (*s.running, *s.transferring, *s.waiting) if r.request_id == request_id), None)
+
+    def start_decode(self, request_id: str, first_token: int) -> Request:
+        """A transferring request's prompt rows are in its memory: take the first token the prefill instance
+        sampled (it may end the request) and decode from the next step."""
+        request = next((r for r in self.scheduler.transferring if r.request_id == request_id), None)
+        if request is None:
+            raise KeyError(f"no request {request_id!r} is waiting for its prompt's rows")
+        self.scheduler.start_decode(request)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += request.num_cached_tokens
+        self._append(request, first_token, time.perf_counter())
+        return request
+
+    def release_held(self, request_id: str) -> None:
+        """A finished hold_kv request's rows have been sent (or never will be): give its memory back."""
+        self.scheduler.release_held(request_id)
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix."""
         return self.cache.prefix.flush()
@@ -256,7 +292,8 @@ class LLMEngine:
                "generated_tokens": s.generated_tokens,
                "finished_requests": s.finished_requests, "decode_steps": s.decode_steps,
                "decode_seconds": s.decode_seconds, "decode_tokens": s.decode_tokens,
-               "running": len(self.scheduler.running),
+               "running": len(self.scheduler.running), "transferring": len(self.scheduler.transferring),
+               "held": len(self.scheduler.held),
                "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
                "memory": self.cache.usage()}
         counters = getattr(self.cache, "counters", None)

@@ -22,6 +22,7 @@ _ids = itertools.count()
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"  # admitted; its prompt's rows are arriving from a prefill instance
     FINISHED = "finished"
 
 
@@ -42,6 +43,11 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None
+    # Prefill-decode disaggregation. remote_prefill (decode side): admitted without a prefill, its prompt's rows
+    # written into its memory by a prefill instance. hold_kv (prefill side): once finished, its rows stay
+    # allocated until `LLMEngine.release_held`, so that they can be sent.
+    remote_prefill: bool = False
+    hold_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -5,6 +5,11 @@ step's token budget (`chunked_prefill_size`) goes to prompt chunks, first come f
 enters only when the cache manager can hold everything it could ever need (prompt + max_tokens), so a
 step can never run out of memory halfway: capacity is refused at the door, not discovered mid-step. A
 prompt whose prefix the cache holds from an earlier request starts its prefill after that prefix.
+
+Under prefill-decode disaggregation a decode instance's request has no prefill: it is admitted the same way
+(it takes no token budget), waits in `transferring` while a prefill instance writes its prompt's rows, and
+decodes from `start_decode` on; a prefill instance's request keeps its rows in `held` after it finishes
+until they are sent.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.transferring: list[Request] = []
+        self.held: dict[str, Request] = {}
         self.peak_running = 0
 
     def add(self, request: Request) -> None:
@@ -64,12 +71,19 @@ class Scheduler:
                 n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
                 spans.append((request, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+        while self.waiting and len(self.running) + len(self.transferring) < self.max_running_requests:
+            remote = self.waiting[0].remote_prefill
+            if not remote and budget <= 0:
+                break
             cached = self.cache.admit(self.waiting[0])
             if cached is None:
                 break
             request = self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = cached
+            if remote:
+                request.status = RequestStatus.TRANSFERRING
+                self.transferring.append(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             n = min(request.num_prompt_tokens - cached, budget)
@@ -86,18 +100,38 @@ class Scheduler:
             if prefilling:
                 self.cache.share_prefill(span.request)
 
+    def start_decode(self, request: Request) -> None:
+        """A transferring request's prompt rows have all arrived: it decodes from the next step."""
+        self.transferring.remove(request)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.cache.share_prefill(request)
+
     def finish(self, request: Request, reason: str) -> None:
-        """Retire a request (finished or aborted) and give back all of its memory."""
+        """Retire a request (finished or aborted) and give back all of its memory (a finished `hold_kv` request
+        keeps it until `release_held`)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request in self.running:
-            self.running.remove(request)
-            self.cache.release(request)
+        if request in self.running or request in self.transferring:
+            (self.running if request in self.running else self.transferring).remove(request)
+            if request.hold_kv and reason != "abort":
+                self.held[request.request_id] = request
+            else:
+                self.cache.release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def release_held(self, request_id: str) -> None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.cache.release(request)
+
     def abort(self, request_id: str) -> Request | None:
-        for request in [*self.running, *self.waiting]:
+        if request_id in self.held:
+            self.release_held(request_id)
+            return None
+        for request in [*self.running, *self.transferring, *self.waiting]:
             if request.request_id == request_id:
                 self.finish(request, "abort")
                 return request
