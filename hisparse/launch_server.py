@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
         resolve_model_path(config.model)
         check_port_free(args.host, args.port)
+        if args.disaggregation_mode == "prefill":
+            check_port_free(args.host, args.disaggregation_bootstrap_port)
     except (ValueError, FileNotFoundError) as error:
         return fail(prog, str(error))
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
@@ -58,7 +60,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if not warm_up_in_place(engine):
             log.warning("no warm-up: the device budget cannot hold a request past the hot buffer")
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, args.model_name(), args.max_queued_requests, args.api_key, args.max_request_bytes)
+    try:
+        disaggregation = disaggregation_role(args, engine_loop)
+    except (ValueError, RuntimeError) as error:
+        return fail(prog, str(error))
+    app = create_app(engine_loop, args.model_name(), args.max_queued_requests, args.api_key, args.max_request_bytes,
+                     disaggregation)
     grace = args.graceful_shutdown_timeout
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=grace + 5))  # a backstop for uvicorn's own wait
@@ -66,13 +73,36 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     shutdown = GracefulShutdown(server, engine_loop, grace, log)
     for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn listens to signals only in the main thread
         signal.signal(signum, shutdown.handle)
-    log.info("serving %r on http://%s:%d/v1 (HiSparse %s)", args.model_name(), args.host, args.port,
-             "on" if config.enable_hisparse else "off")
+    log.info("serving %r on http://%s:%d/v1 (HiSparse %s%s)", args.model_name(), args.host, args.port,
+             "on" if config.enable_hisparse else "off",
+             "" if disaggregation is None else f", {args.disaggregation_mode} instance")
     engine_loop.run(on_running=http.start)
     http.join()
     if not server.started:
         return fail(prog, f"could not serve on {args.host}:{args.port}; uvicorn's reason is logged above")
     return 0
+
+
+def disaggregation_role(args, engine_loop):
+    """This server's part in prefill-decode disaggregation (None: it serves requests whole); its transfer engine
+    listens on the server's host."""
+    if args.disaggregation_mode == "null":
+        return None
+    import socket
+
+    from hisparse.disaggregation.transfer_engine import KVTransferEngine
+
+    host = {"localhost": "127.0.0.1", "0.0.0.0": None, "::": None}.get(args.host, args.host)
+    host = host or socket.gethostbyname(socket.gethostname())  # an address the other instance can reach
+    transfer = KVTransferEngine(host)
+    if args.disaggregation_mode == "prefill":
+        from hisparse.server.pd_prefill import PrefillInstance
+
+        return PrefillInstance(engine_loop, transfer, args.host, args.disaggregation_bootstrap_port,
+                               args.disaggregation_timeout)
+    from hisparse.server.pd_decode import DecodeRooms
+
+    return DecodeRooms(engine_loop, transfer, args.disaggregation_timeout)
 
 
 class GracefulShutdown:

@@ -9,9 +9,10 @@ engine and never costs another request anything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -27,6 +28,8 @@ from hisparse.engine.errors import RequestError
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.server.args import DEFAULT_MAX_REQUEST_BYTES
 from hisparse.server.engine_loop import Accepted, Delta, EngineLoop, EngineUnavailable, Failed, RequestStream
+from hisparse.server.pd_decode import DecodeRooms
+from hisparse.server.pd_prefill import PrefillInstance, RoomFailed
 from hisparse.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -112,6 +115,7 @@ def _validation_error(errors: list[dict]) -> APIError:
 
 
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
+Settle = Callable[[], Awaitable[None]]
 
 
 def _decode(data: bytes, model: type[RequestBody], max_items: int) -> RequestBody:
@@ -159,9 +163,16 @@ class _AbortOnCloseResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:  # a client that hangs up while nothing is sent (rows awaited) is noticed too
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self._on_close()
+
+        watcher = asyncio.create_task(watch())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watcher.cancel()
             self._on_close()
 
 
@@ -169,22 +180,49 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+def _bootstrap_of(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, int, int] | None:
+    """(host, port, room) of the prefill instance's bootstrap server, as sglang-router names them (a list of one
+    for a list of one prompt), or None when the request carries none."""
+    fields = {"bootstrap_host": body.bootstrap_host, "bootstrap_port": body.bootstrap_port,
+              "bootstrap_room": body.bootstrap_room}
+    for name, value in fields.items():
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise APIError(400, f"{name} must hold one entry (one prompt per request), got {len(value)}", name)
+            fields[name] = value[0]
+    if fields["bootstrap_room"] is None:
+        return None
+    for name in ("bootstrap_host", "bootstrap_port"):
+        if fields[name] is None:
+            raise APIError(400, f"bootstrap_room needs {name}: the prefill instance's bootstrap server", name)
+    return fields["bootstrap_host"], fields["bootstrap_port"], fields["bootstrap_room"]
+
+
 def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: int = 256,
-               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               disaggregation: PrefillInstance | DecodeRooms | None = None) -> FastAPI:
     """The app stops the engine loop when it shuts down, and starts it in a thread of its own at start-up unless
     it was started already (`python -m hisparse.launch_server` runs it in the main thread). `api_key`: the key
-    every request but /health must carry (None: none asked); `max_request_bytes`: the largest body taken."""
+    every request but /health must carry (None: none asked); `max_request_bytes`: the largest body taken;
+    `disaggregation`: this server's part in prefill-decode disaggregation (None: it serves requests whole)."""
     engine = engine_loop.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     metrics = engine_loop.metrics
     started = now()
 
+    prefill = disaggregation if isinstance(disaggregation, PrefillInstance) else None
+    decode = disaggregation if isinstance(disaggregation, DecodeRooms) else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine_loop.started:
             engine_loop.start()
+        if prefill is not None:
+            await prefill.start()
         yield
+        if prefill is not None:
+            await prefill.stop()
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="hisparse", lifespan=lifespan)
@@ -294,30 +332,64 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         return event
 
     async def start(request_id: str, prompt_ids: list[int], params: SamplingParams, raw: Request,
-                    prompt_param: str, max_tokens_param: str) -> tuple[RequestStream, int]:
-        """Queue the request in the engine and wait until it is accepted or refused."""
+                    prompt_param: str, max_tokens_param: str,
+                    bootstrap: tuple[str, int, int] | None) -> tuple[RequestStream, int, Settle | None]:
+        """Queue the request in the engine and wait until it is accepted or refused. Under disaggregation a
+        prefill instance computes the prompt and samples one token, and the request's answer waits (`Settle`)
+        until its rows are in the decode instance's memory; a decode instance takes the rows from the prefill
+        instance's room instead of computing them."""
         arrival = time.perf_counter()
         queued = engine_loop.num_queued()
         if queued >= max_queued_requests:
             raise APIError(429, f"the server is at capacity: {queued} requests already wait for a running "
                                 f"slot (--max-queued-requests {max_queued_requests}); retry later",
                            code="queue_full")
+        pd_prefill = prefill is not None and bootstrap is not None
+        if decode is not None:
+            if bootstrap is None:
+                raise APIError(400, "this is a decode instance (--disaggregation-mode decode): it takes requests "
+                                    "with bootstrap_host, bootstrap_port and bootstrap_room, as sglang-router "
+                                    "--pd-disaggregation sends them", "bootstrap_room", "missing_bootstrap")
+            decode.expect(request_id, *bootstrap)
+        if pd_prefill:
+            params = dataclasses.replace(params, max_tokens=1)
         try:
-            stream = engine_loop.submit(request_id, prompt_ids, params, arrival)
-        except EngineUnavailable as error:
-            raise APIError(503, str(error), code="engine_unavailable") from None
-        async with abort_on_disconnect(stream, raw):
-            event = await next_event(stream)
-        if isinstance(event, Failed):
-            param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(event.field, event.field)
-            raise APIError(event.status, event.message, param, event.code, counted=event.status >= 500)
+            try:
+                stream = engine_loop.submit(request_id, prompt_ids, params, arrival, remote_prefill=decode is not None,
+                                            hold_kv=pd_prefill)
+            except EngineUnavailable as error:
+                raise APIError(503, str(error), code="engine_unavailable") from None
+            async with abort_on_disconnect(stream, raw):
+                event = await next_event(stream)
+            if isinstance(event, Failed):
+                param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(event.field, event.field)
+                raise APIError(event.status, event.message, param, event.code, counted=event.status >= 500)
+        except BaseException:
+            if decode is not None:
+                decode.forget(request_id)
+            raise
         assert isinstance(event, Accepted)
-        return stream, event.prompt_tokens
+        settle = None
+        if pd_prefill:
+            try:
+                outcome = await asyncio.wrap_future(prefill.attach(request_id, bootstrap[2]))
+            except RoomFailed as failure:
+                engine_loop.abort(request_id)
+                raise APIError(failure.status, failure.message, "bootstrap_room", failure.code) from None
+
+            async def settle() -> None:
+                try:
+                    await asyncio.wrap_future(outcome)
+                except RoomFailed as failure:
+                    raise APIError(failure.status, failure.message, "bootstrap_room", failure.code) from None
+        return stream, event.prompt_tokens, settle
 
     def on_close(stream: RequestStream) -> Callable[[], None]:
         def close() -> None:
             if not stream.finished:
                 engine_loop.abort(stream.request_id)
+            if decode is not None:
+                decode.forget(stream.request_id)
         return close
 
     async def collect(stream: RequestStream, raw: Request) -> tuple[str, Delta]:
@@ -339,10 +411,11 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
     async def respond(stream: RequestStream, raw: Request, streaming: bool, include_usage: bool, prompt_tokens: int,
                       opening: list[str], pieces: Callable[[str, str | None], list[str]],
                       usage_chunk: Callable[[Usage], BaseModel],
-                      whole: Callable[[str, str, Usage], BaseModel]) -> Response:
+                      whole: Callable[[str, str, Usage], BaseModel], settle: Settle | None = None) -> Response:
         """Stream the request's output as server-sent events ending in [DONE], or collect it into one JSON
         body. The two endpoints differ only in how they wrap the pieces: `opening` events, the events of
-        one piece of text and/or the finish reason, the usage chunk and the whole answer."""
+        one piece of text and/or the finish reason, the usage chunk and the whole answer. `settle`: awaited
+        before the last piece (a prefill instance's transfer), its APIError the answer's."""
 
         def usage(last: Delta) -> Usage:
             return Usage.of(prompt_tokens, last.completion_tokens, last.cached_tokens)
@@ -357,6 +430,12 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                         yield _sse(APIError(event.status, event.message, code=event.code).body().model_dump_json())
                         break
                     assert isinstance(event, Delta)
+                    if event.finish_reason is not None and settle is not None:
+                        try:
+                            await settle()
+                        except APIError as error:
+                            yield _sse(error.body().model_dump_json())
+                            break
                     for piece in pieces(event.text, event.finish_reason):
                         yield piece
                     if event.finish_reason is not None:
@@ -370,6 +449,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             text, last = await collect(stream, raw)
         except _ClientGone:
             return Response(status_code=499)
+        if settle is not None:
+            await settle()
         return JSONResponse(whole(text, last.finish_reason, usage(last)).model_dump())
 
     # -- routes ---------------------------------------------------------------------------------------
@@ -396,6 +477,18 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                            code="cache_in_use")
         return Response("Cache flushed.\n", media_type="text/plain")
 
+    @app.get("/model_info")
+    async def model_info() -> JSONResponse:
+        """SGLang's endpoint, which sglang-router reads when it adds a worker."""
+        return JSONResponse({"model_path": model_name, "tokenizer_path": None, "is_generation": True})
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        mode = "prefill" if prefill is not None else "decode" if decode is not None else "null"
+        return JSONResponse({"model_path": model_name, "served_model_name": model_name,
+                             "disaggregation_mode": mode, "max_total_num_tokens": engine.cache.capacity_tokens,
+                             "bootstrap_port": prefill.port if prefill is not None else None})
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=started, max_model_len=max_model_len)])
@@ -419,7 +512,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         params = sampling_params(body, max_tokens, "max_tokens")
         request_id, created = new_id("cmpl"), now()
         try:
-            stream, prompt_tokens = await start(request_id, prompt_ids, params, raw, "prompt", "max_tokens")
+            stream, prompt_tokens, settle = await start(request_id, prompt_ids, params, raw, "prompt", "max_tokens",
+                                                        _bootstrap_of(body))
         except _ClientGone:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -435,7 +529,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
             lambda usage: CompletionResponse(id=request_id, created=created, model=model_name, choices=[], usage=usage),
             lambda text, finish, usage: CompletionResponse(
                 id=request_id, created=created, model=model_name,
-                choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage))
+                choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage), settle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
@@ -456,7 +550,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
         params = sampling_params(body, max_tokens, max_tokens_param)
         request_id, created = new_id("chatcmpl"), now()
         try:
-            stream, prompt_tokens = await start(request_id, prompt_ids, params, raw, "messages", max_tokens_param)
+            stream, prompt_tokens, settle = await start(request_id, prompt_ids, params, raw, "messages",
+                                                        max_tokens_param, _bootstrap_of(body))
         except _ClientGone:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -477,6 +572,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                                               usage=usage),
             lambda text, finish, usage: ChatCompletionResponse(
                 id=request_id, created=created, model=model_name,
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)], usage=usage))
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)], usage=usage),
+            settle)
 
     return app

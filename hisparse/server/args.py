@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from hisparse.cli_args import OneLineParser, float_in, positive_int, size_flag
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake",)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 160k-token prompt of text is a few MB
 
@@ -43,6 +45,10 @@ class ServerArgs:
     api_key: str | None = None
     graceful_shutdown_timeout: float = 5.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_timeout: float = 300.0
 
     def engine_config(self) -> EngineConfig:
         """Raises ValueError naming the field, like EngineConfig itself."""
@@ -130,6 +136,18 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     ap.add_argument("--skip-server-warmup", action="store_true",
                     help="serve without first running one short request through the engine (which compiles its "
                          "kernels, or loads them from numba's cache, before the first user request)")
+    pd = ap.add_argument_group("prefill-decode disaggregation (behind sglang-router --pd-disaggregation)")
+    pd.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default=d.disaggregation_mode,
+                    help="prefill: compute prompts and write their KV into the decode instance's memory; decode: "
+                         "take each prompt's KV from the prefill instance and generate; null: serve requests whole")
+    pd.add_argument("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS,
+                    default=d.disaggregation_transfer_backend,
+                    help="what moves the KV rows: Mooncake's transfer engine (TCP here, RDMA where MC_PROTOCOL=rdma)")
+    pd.add_argument("--disaggregation-bootstrap-port", type=_port, default=d.disaggregation_bootstrap_port,
+                    help="the prefill instance's bootstrap server, where decode instances claim their requests' rows")
+    pd.add_argument("--disaggregation-timeout", type=float_in(0.1), default=d.disaggregation_timeout,
+                    help="seconds a request's two halves may take to meet and its rows to arrive; then it fails on "
+                         "both sides and its memory is freed")
     return ap
 
 

@@ -103,15 +103,38 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     arrival: float
+    remote_prefill: bool = False
+    hold_kv: bool = False
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    force: bool = False
 
 
 class _Stop:
     pass
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(engine)` in the engine thread between steps; its result or exception goes to `done`."""
+
+    fn: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _StartDecode:
+    request_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class _Fail:
+    request_id: str
+    failure: Failed
 
 
 @dataclass(frozen=True)
@@ -140,7 +163,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
-        self._commands: queue.Queue[_Add | _Abort | _Flush | _Stop] = queue.Queue()
+        self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._in_flight = 0  # submitted and not yet ended; both threads, under _lock
         self._lock = threading.Lock()
@@ -148,6 +171,12 @@ class EngineLoop:
         self._started = False
         self._draining = False  # set by `drain`: no new request is taken
         self._exited = threading.Event()
+        # Prefill-decode disaggregation's hooks, in the engine thread: `after_step` after every turn of the loop,
+        # `on_abort_transfer(request_id)` instead of aborting a request whose rows are still arriving (the rows'
+        # sender must stop writing before its memory can go back: `force_abort` then ends it).
+        self.after_step: list[Callable[[], None]] = []
+        self.on_abort_transfer: Callable[[str], None] | None = None
+        self.idle_wakeup: float | None = None  # seconds: an idle loop still runs its hooks this often (timeouts)
         self.metrics.bind(self.stats, self.num_queued)
 
     # -- any thread -----------------------------------------------------------------------------------
@@ -221,8 +250,9 @@ class EngineLoop:
     # -- the asyncio side -----------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               arrival: float | None = None) -> RequestStream:
-        """Call from the event loop; events for the request arrive on the returned stream."""
+               arrival: float | None = None, remote_prefill: bool = False, hold_kv: bool = False) -> RequestStream:
+        """Call from the event loop; events for the request arrive on the returned stream. remote_prefill,
+        hold_kv: its part in prefill-decode disaggregation (`engine.request.Request`)."""
         if not self.alive:
             raise EngineUnavailable("the engine is not running")
         if self._draining:
@@ -231,12 +261,29 @@ class EngineLoop:
         with self._lock:
             self._in_flight += 1
         self._commands.put(_Add(request_id, prompt, params, stream,
-                                time.perf_counter() if arrival is None else arrival))
+                                time.perf_counter() if arrival is None else arrival, remote_prefill, hold_kv))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Harmless for a request that already ended; commands run in order, so never overtakes its add."""
         self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` in the engine thread between two steps (from any thread)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            done.set_exception(EngineUnavailable("the engine is not running"))
+        else:
+            self._commands.put(_Call(fn, done))
+        return done
+
+    def start_decode(self, request_id: str, first_token: int) -> None:
+        """A transferring request's prompt rows have arrived: it decodes from `first_token` on (any thread)."""
+        self._commands.put(_StartDecode(request_id, first_token))
+
+    def fail(self, request_id: str, failure: Failed) -> None:
+        """End a request with an error (its stream gets `failure`) and free its memory (any thread)."""
+        self._commands.put(_Fail(request_id, failure))
 
     async def flush_cache(self) -> bool:
         """Empty the engine's prefix cache between two steps; False while a running request reuses it."""
@@ -253,7 +300,7 @@ class EngineLoop:
         while True:
             idle = not self.engine.has_unfinished
             # Idle: sleep until a command comes. Stalled (work waiting, nothing could run): poll gently.
-            commands = self._take_commands(block=idle or stalled, timeout=None if idle else 0.01)
+            commands = self._take_commands(block=idle or stalled, timeout=self.idle_wakeup if idle else 0.01)
             for command in commands:
                 if isinstance(command, _Stop):
                     self._shutdown()
@@ -263,20 +310,31 @@ class EngineLoop:
                         self._add(command)
                     elif isinstance(command, _Flush):
                         command.done.set_result(self.engine.flush_cache())
+                    elif isinstance(command, _Call):
+                        self._call(command)
+                    elif isinstance(command, _StartDecode):
+                        self._start_decode(command)
+                    elif isinstance(command, _Fail):
+                        self._fail(command.request_id, command.failure)
                     else:
-                        self._abort(command.request_id)
+                        self._abort(command.request_id, command.force)
                 except Exception:  # a bug here must not end the thread
                     log.exception("engine thread: handling %s failed", type(command).__name__)
             stalled = False
             if self.engine.has_unfinished:
                 stalled = not self._step()
+            for hook in self.after_step:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("engine thread: an after-step hook failed")
             try:
                 self._stats = self.engine.stats_dict()
             except Exception:
                 log.exception("engine thread: stats_dict failed")
             stalled = stalled and self._stats.get("running", 0) == 0
 
-    def _take_commands(self, block: bool, timeout: float | None) -> list[_Add | _Abort | _Flush | _Stop]:
+    def _take_commands(self, block: bool, timeout: float | None) -> list:
         try:
             commands = [self._commands.get(timeout=timeout) if block else self._commands.get_nowait()]
         except queue.Empty:
@@ -289,7 +347,8 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         try:
-            request = self.engine.add_request(command.prompt, command.params, command.request_id)
+            roles = {name: True for name in ("remote_prefill", "hold_kv") if getattr(command, name)}
+            request = self.engine.add_request(command.prompt, command.params, command.request_id, **roles)
         except RequestError as error:
             self._refuse(command.stream, Failed(400, str(error), error.field, error.code))
             return
@@ -311,10 +370,39 @@ class EngineLoop:
             self.metrics.requests.labels("error").inc()
         self._ended()
 
-    def _abort(self, request_id: str) -> None:
+    def _call(self, command: _Call) -> None:
+        try:
+            command.done.set_result(command.fn(self.engine))
+        except Exception as error:
+            command.done.set_exception(error)
+
+    def _start_decode(self, command: _StartDecode) -> None:
+        tracked = self._tracked.get(command.request_id)
+        if tracked is None or tracked.request.status is not RequestStatus.TRANSFERRING:
+            return  # aborted or failed meanwhile
+        self.engine.start_decode(command.request_id, command.first_token)
+        self._deliver(tracked, time.perf_counter())
+
+    def _fail(self, request_id: str, failure: Failed) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
+        self.engine.abort(request_id)
+        self._refuse(tracked.stream, failure)
+
+    def force_abort(self, request_id: str) -> None:
+        """Abort even a request whose rows are arriving (its sender has stopped): from any thread."""
+        self._commands.put(_Abort(request_id, force=True))
+
+    def _abort(self, request_id: str, force: bool = False) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        transferring = tracked.request.status is RequestStatus.TRANSFERRING
+        if transferring and not force and self.on_abort_transfer is not None:
+            self.on_abort_transfer(request_id)
+            return
+        del self._tracked[request_id]
         self.engine.abort(request_id)
         tracked.stream.put(Delta("", tracked.sent_tokens, "abort"))
         self.metrics.requests.labels("abort").inc()
@@ -363,7 +451,7 @@ class EngineLoop:
     def _fail_running(self, error: Exception) -> None:
         """Fail the requests that were in the step. When none was running the failure came from admitting
         the waiting ones, and they fail instead: either way the next step cannot fail the same way forever."""
-        in_step = [r for r, t in self._tracked.items() if t.request.status is not RequestStatus.WAITING]
+        in_step = [r for r, t in self._tracked.items() if t.request.status is RequestStatus.RUNNING]
         for request_id in in_step or list(self._tracked):
             t = self._tracked.pop(request_id)
             try:
@@ -377,7 +465,7 @@ class EngineLoop:
         for command in pending:
             if isinstance(command, _Add):
                 self._refuse(command.stream, Failed(503, "the server is shutting down"))
-            elif isinstance(command, _Flush):
+            elif isinstance(command, (_Flush, _Call)):
                 command.done.set_exception(EngineUnavailable("the server is shutting down"))
         for request_id, t in list(self._tracked.items()):
             del self._tracked[request_id]

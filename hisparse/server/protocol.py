@@ -55,6 +55,10 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    # Prefill-decode disaggregation: sglang-router adds them, a list (one per prompt) for a list of prompts.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     # Fields that would change the answer and that the server cannot honour: refused with a 400 when set.
     response_format: Any = None
     tools: Any = None

@@ -39,7 +39,8 @@ class RunningServer:
         while True:
             stats = self.engine_loop.stats()
             used = {k: v for k, v in stats["memory"].items() if k.endswith("_used") and v}
-            idle = self.engine_loop.num_in_flight() == 0 and stats["running"] == 0 and stats["waiting"] == 0
+            idle = (self.engine_loop.num_in_flight() == 0 and stats["running"] == 0 and stats["waiting"] == 0
+                    and not stats.get("transferring") and not stats.get("held"))
             if idle and not used:
                 return stats
             if idle and stats["memory"].get("prefix_cache_tokens"):
@@ -51,10 +52,12 @@ class RunningServer:
 
 
 @contextmanager
-def serve(engine: LLMEngine, model_name: str, max_queued_requests: int = 256, **app_args) -> Iterator[RunningServer]:
-    """app_args: create_app's api_key and max_request_bytes."""
+def serve(engine: LLMEngine, model_name: str, max_queued_requests: int = 256, role=None,
+          **app_args) -> Iterator[RunningServer]:
+    """app_args: create_app's api_key and max_request_bytes; role(engine_loop): its disaggregation part."""
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, model_name, max_queued_requests, **app_args)
+    app = create_app(engine_loop, model_name, max_queued_requests,
+                     disaggregation=None if role is None else role(engine_loop), **app_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; handing uvicorn the socket leaves no race

@@ -105,3 +105,18 @@ def test_module_entry_point_fails_without_traceback():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr and "not a size: 'lots'" in run.stderr
+
+
+def test_disaggregation_flags_are_sglangs_and_a_taken_bootstrap_port_fails_before_loading(capsys, busy_port):
+    args = parse_args([])
+    assert (args.disaggregation_mode, args.disaggregation_transfer_backend, args.disaggregation_bootstrap_port) == \
+        ("null", "mooncake", 8998)
+    assert parse_args(["--disaggregation-mode", "decode"]).disaggregation_mode == "decode"
+    assert launch_main(["--disaggregation-mode", "both"]) == 2
+    assert "invalid choice: 'both'" in capsys.readouterr().err
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert launch_main(["--port", str(port), "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                        str(busy_port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{busy_port}" in capsys.readouterr().err
