@@ -93,7 +93,7 @@ async def _gather(base_url: str, bodies: list[tuple[str, dict]], on_chunk) -> tu
         return list(results), time.perf_counter() - start
 
 
-def completion(model: str, prompt: list[int], max_tokens: int) -> tuple[str, dict]:
+def completion(model: str, prompt: list[int] | str, max_tokens: int) -> tuple[str, dict]:
     return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 

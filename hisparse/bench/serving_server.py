@@ -35,10 +35,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    def __init__(self, label: str, flags: list[str], log_path: Path) -> None:
+    def __init__(self, label: str, flags: list[str], log_path: Path, cpus: str | None = None) -> None:
+        """cpus: pin the server to these cores (`taskset -c`), as if it had a machine of its own."""
         self.label = label
         self.flags = flags
         self.log_path = log_path
+        self.cpus = cpus
         self.port = 0
         self.process: subprocess.Popen | None = None
 
@@ -51,6 +53,8 @@ class ServerProcess:
         self.port = free_loopback_port()
         command = [sys.executable, "-m", "hisparse.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "warning", *self.flags]
+        if self.cpus is not None:
+            command = ["taskset", "-c", self.cpus, *command]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             log.write(f"$ {shlex.join(command)}\n".encode())

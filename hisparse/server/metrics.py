@@ -61,6 +61,8 @@ class _EngineCollector(Collector):
                                   value=stats.get("decode_steps", 0))
         yield CounterMetricFamily("hisparse_engine_decode_seconds", "Time in engine steps that only decoded",
                                   value=stats.get("decode_seconds", 0.0))
+        yield CounterMetricFamily("hisparse_engine_decode_tokens", "Tokens of engine steps that only decoded",
+                                  value=stats.get("decode_tokens", 0))
         used = GaugeMetricFamily("hisparse_kv_slots_used", "KV token slots in use, per pool (the prefix cache's "
                                  "included)", labels=["pool"])
         total = GaugeMetricFamily("hisparse_kv_slots_total", "KV token slots, per pool", labels=["pool"])
@@ -100,6 +102,16 @@ class ServerMetrics:
                                 "abort, error)", ["finish_reason"], registry=self.registry)
         self.rejected = Counter("hisparse_requests_rejected", "Requests refused before reaching the engine, by "
                                 "HTTP status", ["status"], registry=self.registry)
+        # Prefill-decode disaggregation: the prefill side counts what it writes, the decode side how long it waits.
+        self.kv_transfer_bytes = Counter("hisparse_kv_transfer_bytes", "Bytes of prompt rows written into decode "
+                                         "instances' memory", registry=self.registry)
+        self.kv_transfer_seconds = Counter("hisparse_kv_transfer_seconds", "Time the sending thread spent writing "
+                                           "them", registry=self.registry)
+        self.kv_transfer_rooms = Counter("hisparse_kv_transfer_rooms", "Rooms that ended, by outcome (sent, failed)",
+                                         ["outcome"], registry=self.registry)
+        self.kv_transfer_wait = Histogram(
+            "hisparse_kv_transfer_wait_seconds", "Decode side: from admission to the prompt's rows all written",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def bind(self, snapshot: Callable[[], dict], queued: Callable[[], int]) -> None:
         """Export the engine's counters; separate from __init__ because the engine loop needs the histograms

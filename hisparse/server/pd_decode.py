@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -71,6 +72,7 @@ class DecodeRooms:
 
     async def _claim_room(self, request_id: str, claim: _Claim, destination: Destination) -> None:
         url = f"{claim.bootstrap}/rooms/{claim.room}"
+        started = time.perf_counter()
         try:
             response = await self._http().put(url, json=destination.to_json())
         except httpx.TimeoutException:
@@ -85,6 +87,7 @@ class DecodeRooms:
         except asyncio.CancelledError:
             return
         if response.status_code == 200:
+            self.engine_loop.metrics.kv_transfer_wait.observe(time.perf_counter() - started)
             self._claims.pop(request_id, None)
             self.engine_loop.start_decode(request_id, int(response.json()["first_token"]))
             return

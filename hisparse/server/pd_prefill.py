@@ -52,8 +52,6 @@ class _Room:
     in_flight: int = 0  # jobs not yet reported
     outcome: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # the first token
     quiet: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # no write in flight
-    bytes_sent: int = 0
-    send_seconds: float = 0.0
 
 
 class PrefillRooms:
@@ -66,12 +64,18 @@ class PrefillRooms:
             transfer.register(pool)
         self.sender = KVSender(transfer, lambda result: engine_loop.call(lambda _: self._sent(result)))
         self.rooms: dict[int, _Room] = {}  # engine thread only
+        # Rooms that ended, for as long as a late half may still come: it gets their outcome at once.
+        self.ended: dict[int, tuple[float, concurrent.futures.Future]] = {}
         engine_loop.after_step.append(self._after_step)
         engine_loop.idle_wakeup = 0.25  # rooms time out while nothing else happens
 
     # -- engine thread (after_step, or EngineLoop.call) -----------------------------------------------
 
     def _room(self, room: int) -> _Room:
+        if room in self.ended:
+            failure = RoomFailed(409, f"bootstrap_room {room} has ended already", "room_ended")
+            outcome = self.ended[room][1]
+            raise outcome.exception() if outcome.exception() is not None else failure
         if room not in self.rooms:
             self.rooms[room] = _Room(room)
         return self.rooms[room]
@@ -124,6 +128,7 @@ class PrefillRooms:
     def _fail(self, entry: _Room, failure: RoomFailed) -> None:
         if not entry.outcome.done():
             entry.outcome.set_exception(failure)
+            self.engine_loop.metrics.kv_transfer_rooms.labels("failed").inc()
         request = entry.request
         if request is not None:
             if request.request_id in self.engine.scheduler.held:
@@ -137,15 +142,17 @@ class PrefillRooms:
         if entry.outcome.done() and entry.in_flight == 0:
             if not entry.quiet.done():
                 entry.quiet.set_result(None)
-            self.rooms.pop(entry.room, None)
+            if self.rooms.pop(entry.room, None) is not None:
+                self.ended[entry.room] = (time.monotonic(), entry.outcome)
 
     def _sent(self, result: SendResult) -> None:
         entry = self.rooms.get(result.job.room)
         if entry is None:
             return
         entry.in_flight -= 1
-        entry.bytes_sent += result.nbytes
-        entry.send_seconds += result.seconds
+        metrics = self.engine_loop.metrics
+        metrics.kv_transfer_bytes.inc(result.nbytes)
+        metrics.kv_transfer_seconds.inc(result.seconds)
         if result.error is not None:
             self._fail(entry, RoomFailed(502, f"room {entry.room}: writing the rows to the decode instance failed: "
                                               f"{result.error}", "kv_transfer_failed"))
@@ -155,6 +162,8 @@ class PrefillRooms:
 
     def _after_step(self) -> None:
         now = time.monotonic()
+        for room in [r for r, (when, _) in self.ended.items() if now - when > self.timeout]:
+            del self.ended[room]
         for entry in list(self.rooms.values()):
             if entry.outcome.done():
                 self._settle(entry)
@@ -169,6 +178,7 @@ class PrefillRooms:
                 self._send_new_rows(entry, request, destination)
                 if request.finished and entry.written == request.num_prompt_tokens and entry.in_flight == 0:
                     entry.outcome.set_result(request.output_token_ids[0])
+                    self.engine_loop.metrics.kv_transfer_rooms.labels("sent").inc()
                     self.engine.release_held(request.request_id)
                     self._settle(entry)
                     continue
@@ -209,6 +219,8 @@ def bootstrap_app(engine_loop: EngineLoop, rooms: PrefillRooms) -> FastAPI:
         try:
             destination = Destination.from_json(await raw.json())
             outcome = await asyncio.wrap_future(engine_loop.call(lambda _: rooms.set_destination(room, destination)))
+        except RoomFailed as failure:  # the room has ended already
+            return error(failure.status, failure.message, failure.code)
         except ValueError as failure:
             return error(400, str(failure), "bad_destination")
         except RuntimeError as failure:  # the engine is not running

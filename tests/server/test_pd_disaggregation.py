@@ -190,6 +190,10 @@ def test_a_room_nobody_claims_times_out_and_frees_the_prefill_side(deployments, 
     assert lone.status_code == 504 and lone.json()["error"]["code"] == "room_timeout", lone.text
     assert "never claimed" in lone.json()["error"]["message"] and time.monotonic() - start < 10
     d.idle()
+    late = completion(d.decode.base_url, prompt=PROMPT, max_tokens=4, bootstrap_host="127.0.0.1",
+                      bootstrap_port=d.bootstrap_port, bootstrap_room=1)  # the decode half, after the room ended
+    assert late.status_code == 502 and "timed out" in late.json()["error"]["message"], late.text
+    d.idle()
 
 
 def test_an_unreachable_prefill_instance_fails_the_decode_request_and_frees_it(deployments):
