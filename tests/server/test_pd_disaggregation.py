@@ -204,6 +204,28 @@ def test_an_unreachable_prefill_instance_fails_the_decode_request_and_frees_it(d
     d.idle()
 
 
+def test_a_prefill_instance_that_sends_nothing_fails_the_decode_request_within_its_timeout(deployments,
+                                                                                         monkeypatch):
+    """The prefill side answers its bootstrap port but no rows come (its half of the room never arrives, as when
+    it stalls): the decode request fails after the timeout, cancels the room and frees its memory."""
+    d = deployments["default"]
+    rooms = next(h.__self__ for h in d.decode.engine_loop.after_step)
+    monkeypatch.setattr(rooms, "timeout", 1.5)
+    monkeypatch.setattr(rooms, "_client", None)  # the next claim's client takes the short timeout
+    start = time.monotonic()
+    failed = completion(d.decode.base_url, prompt=PROMPT, max_tokens=4, bootstrap_host="127.0.0.1",
+                        bootstrap_port=d.bootstrap_port, bootstrap_room=6)
+    assert failed.status_code == 504 and failed.json()["error"]["code"] == "kv_transfer_timeout", failed.text
+    assert time.monotonic() - start < 10
+    monkeypatch.undo()
+    rooms._client = None
+    deadline = time.monotonic() + 20
+    while 6 in d.rooms():  # cancelled at the prefill side too
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    d.idle()
+
+
 def test_a_decode_instance_that_is_gone_frees_the_prefill_side(deployments, tokenizer):
     """Its transfer engine no longer answers: the first write fails, the prefill request fails and frees."""
     d = deployments["default"]
