@@ -46,6 +46,7 @@ class KVSender:
         self.transfer = transfer
         self.on_done = on_done
         self._jobs: queue.Queue[SendJob | None] = queue.Queue()
+        self.dropped: set[int] = set()  # rooms that failed: their queued jobs are not written (any thread)
         self._thread = threading.Thread(target=self._run, name="hisparse-kv-sender", daemon=True)
         self._thread.start()
 
@@ -59,6 +60,9 @@ class KVSender:
         while (job := self._jobs.get()) is not None:
             start = time.perf_counter()
             nbytes, error = 0, None
+            if job.room in self.dropped:
+                self.on_done(SendResult(job, "the room has failed", 0.0, 0))
+                continue
             try:
                 plans = [plan_writes(src, job.source_rows[:, i], dst, job.destination_rows[:, i])
                          for i, (src, dst) in enumerate(zip(job.sources, job.destinations, strict=True))]

@@ -452,7 +452,8 @@ class EngineLoop:
         """Fail the requests that were in the step. When none was running the failure came from admitting
         the waiting ones, and they fail instead: either way the next step cannot fail the same way forever."""
         in_step = [r for r, t in self._tracked.items() if t.request.status is RequestStatus.RUNNING]
-        for request_id in in_step or list(self._tracked):
+        waiting = [r for r, t in self._tracked.items() if t.request.status is RequestStatus.WAITING]
+        for request_id in in_step or waiting:  # never one whose rows are arriving: a write could still land
             t = self._tracked.pop(request_id)
             try:
                 self.engine.abort(request_id)

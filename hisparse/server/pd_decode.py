@@ -56,12 +56,14 @@ class DecodeRooms:
 
     def expect(self, request_id: str, host: str, port: int, room: int) -> None:
         """Before submitting a request: its rows come from `room` at the bootstrap server host:port."""
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # an IPv6 address
         self._claims[request_id] = _Claim(room, f"http://{host}:{port}", asyncio.get_running_loop())
 
     def forget(self, request_id: str) -> None:
         """The request's handler has ended: a room never claimed is cancelled, so the prefill side frees at once."""
         claim = self._claims.get(request_id)
         if claim is not None and not claim.started and not claim.cancelled:  # a started claim ends by itself
+            claim.cancelled = True
             self._claims.pop(request_id, None)
             claim.loop.create_task(self._cancel(claim))
 
@@ -80,16 +82,23 @@ class DecodeRooms:
             self._fail(request_id, f"the prefill instance at {claim.bootstrap} sent no rows for bootstrap_room "
                                    f"{claim.room} within {self.timeout:.0f} s", "kv_transfer_timeout", 504)
             return
-        except httpx.HTTPError as error:
+        except asyncio.CancelledError:
+            return
+        except Exception as error:  # connection refused or broken, a bad URL: told the same way
+            await self._cancel(claim)  # a live prefill side stops writing before the memory goes back
             self._fail(request_id, f"the prefill instance's bootstrap server at {claim.bootstrap} could not be "
                                    f"reached: {type(error).__name__}: {error}", "prefill_unreachable")
             return
-        except asyncio.CancelledError:
-            return
         if response.status_code == 200:
+            try:
+                first_token = int(response.json()["first_token"])
+            except (ValueError, KeyError, TypeError):
+                self._fail(request_id, f"the prefill instance answered bootstrap_room {claim.room} with "
+                                       f"{response.text[:100]!r}", "kv_transfer_failed")
+                return
             self.engine_loop.metrics.kv_transfer_wait.observe(time.perf_counter() - started)
             self._claims.pop(request_id, None)
-            self.engine_loop.start_decode(request_id, int(response.json()["first_token"]))
+            self.engine_loop.start_decode(request_id, first_token)
             return
         try:
             message = response.json()["error"]["message"]
@@ -102,8 +111,8 @@ class DecodeRooms:
         claim.cancelled = True
         try:
             await self._http().delete(f"{claim.bootstrap}/rooms/{claim.room}", timeout=min(self.timeout, 10.0))
-        except httpx.HTTPError:
-            pass  # gone: it writes nothing more either (or its room times out on its side)
+        except Exception:
+            pass  # gone: it writes nothing more either (a stalled one checks nothing: the timeout's known gap)
 
     def _fail(self, request_id: str, message: str, code: str, status: int = 502) -> None:
         self._claims.pop(request_id, None)
@@ -131,6 +140,8 @@ class DecodeRooms:
             claim.loop.call_soon_threadsafe(self._start_claim, request.request_id, claim, destination)
 
     def _start_claim(self, request_id: str, claim: _Claim, destination: Destination) -> None:
+        if self._claims.get(request_id) is not claim or claim.cancelled:  # its handler ended meanwhile
+            return
         claim.task = claim.loop.create_task(self._claim_room(request_id, claim, destination))
 
     def _on_abort(self, request_id: str) -> None:

@@ -83,9 +83,14 @@ class PrefillRooms:
     def attach_request(self, room: int, request_id: str) -> concurrent.futures.Future:
         """The prefill request of `room` is in the engine; returns the room's outcome."""
         request = self.engine.find_request(request_id)
-        entry = self._room(room)
-        if entry.request is not None:
-            raise RoomFailed(400, f"bootstrap_room {room} is already in use by another request", "room_in_use")
+        try:
+            entry = self._room(room)
+            if entry.request is not None:
+                raise RoomFailed(400, f"bootstrap_room {room} is already in use by another request", "room_in_use")
+        except RoomFailed:
+            if request is not None:  # it may have finished already: its held rows go back too
+                self._release(request)
+            raise
         if request is None:
             self._fail(entry, RoomFailed(400, "the prefill request ended before its room was known", "aborted"))
         else:
@@ -93,8 +98,11 @@ class PrefillRooms:
             self._check_prompt(entry)
         return entry.outcome
 
-    def set_destination(self, room: int, destination: Destination) -> concurrent.futures.Future:
-        """The decode instance's memory for `room`; ValueError when it cannot take this instance's rows."""
+    def set_destination(self, room: int, destination: Destination
+                        ) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
+        """The decode instance's memory for `room`; ValueError when it cannot take this instance's rows. Returns
+        the room's outcome and `quiet` (no write in flight): a failure is answered only once quiet, so that the
+        decode side never frees memory a write could still reach."""
         check_compatible(self.pools, destination.pools)
         entry = self._room(room)
         if entry.destination is not None:
@@ -102,14 +110,18 @@ class PrefillRooms:
         entry.destination = destination
         entry.sent = entry.written = destination.start
         self._check_prompt(entry)
-        return entry.outcome
+        return entry.outcome, entry.quiet
 
     def cancel(self, room: int) -> concurrent.futures.Future:
         """The decode side gave up on `room`: fail it; the returned future resolves once no write is in flight."""
         entry = self.rooms.get(room)
-        if entry is None:
+        if entry is None:  # unknown or ended: a half that comes later fails at once
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
+            if room not in self.ended:
+                cancelled: concurrent.futures.Future = concurrent.futures.Future()
+                cancelled.set_exception(RoomFailed(499, "the decode instance cancelled the request", "cancelled"))
+                self.ended[room] = (time.monotonic(), cancelled)
             return done
         self._fail(entry, RoomFailed(499, "the decode instance cancelled the request", "cancelled"))
         return entry.quiet
@@ -129,13 +141,23 @@ class PrefillRooms:
         if not entry.outcome.done():
             entry.outcome.set_exception(failure)
             self.engine_loop.metrics.kv_transfer_rooms.labels("failed").inc()
-        request = entry.request
-        if request is not None:
-            if request.request_id in self.engine.scheduler.held:
-                self.engine.release_held(request.request_id)
-            elif not request.finished:
-                self.engine_loop.abort(request.request_id)
+        self.sender.dropped.add(entry.room)
+        if entry.request is not None:
+            self._release(entry.request)
         self._settle(entry)
+
+    def _release(self, request: EngineRequest) -> None:
+        if request.request_id in self.engine.scheduler.held:
+            self.engine.release_held(request.request_id)
+        elif not request.finished:
+            self.engine_loop.abort(request.request_id)
+
+    def fail_all(self, message: str) -> None:
+        """At shutdown: every room fails and counts as quiet (the sending thread stops with the process)."""
+        for entry in list(self.rooms.values()):
+            self._fail(entry, RoomFailed(503, message, "server_shutting_down"))
+            if not entry.quiet.done():
+                entry.quiet.set_result(None)
 
     def _settle(self, entry: _Room) -> None:
         """Forget a resolved room once nothing of it is in flight."""
@@ -164,6 +186,7 @@ class PrefillRooms:
         now = time.monotonic()
         for room in [r for r, (when, _) in self.ended.items() if now - when > self.timeout]:
             del self.ended[room]
+            self.sender.dropped.discard(room)
         for entry in list(self.rooms.values()):
             if entry.outcome.done():
                 self._settle(entry)
@@ -218,7 +241,8 @@ def bootstrap_app(engine_loop: EngineLoop, rooms: PrefillRooms) -> FastAPI:
     async def claim(room: int, raw: Request) -> JSONResponse:
         try:
             destination = Destination.from_json(await raw.json())
-            outcome = await asyncio.wrap_future(engine_loop.call(lambda _: rooms.set_destination(room, destination)))
+            outcome, quiet = await asyncio.wrap_future(
+                engine_loop.call(lambda _: rooms.set_destination(room, destination)))
         except RoomFailed as failure:  # the room has ended already
             return error(failure.status, failure.message, failure.code)
         except ValueError as failure:
@@ -228,6 +252,7 @@ def bootstrap_app(engine_loop: EngineLoop, rooms: PrefillRooms) -> FastAPI:
         try:
             first_token = await asyncio.wrap_future(outcome)
         except RoomFailed as failure:
+            await asyncio.wrap_future(quiet)
             return error(failure.status, failure.message, failure.code)
         return JSONResponse({"first_token": first_token})
 
@@ -269,7 +294,7 @@ class PrefillInstance:
 
     async def start(self) -> None:
         self._server = uvicorn.Server(uvicorn.Config(bootstrap_app(self.engine_loop, self.rooms), log_level="warning",
-                                                     lifespan="off"))
+                                                     lifespan="off", timeout_graceful_shutdown=5))
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():
@@ -278,6 +303,11 @@ class PrefillInstance:
         log.info("bootstrap server for decode instances on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
+        failing = self.engine_loop.call(lambda _: self.rooms.fail_all("the prefill server is shutting down"))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(failing), 5)
+        except Exception:  # the engine loop has ended already: nothing runs, nothing is written
+            pass
         if self._server is not None:
             self._server.should_exit = True
             await self._task

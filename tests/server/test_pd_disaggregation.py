@@ -196,6 +196,16 @@ def test_a_room_nobody_claims_times_out_and_frees_the_prefill_side(deployments, 
     d.idle()
 
 
+def test_a_prefill_half_that_comes_after_its_room_was_cancelled_fails_at_once_and_frees(deployments):
+    d = deployments["default"]
+    port = d.bootstrap_port
+    assert httpx.delete(f"http://127.0.0.1:{port}/rooms/7", timeout=30).status_code == 200
+    late = completion(d.prefill.base_url, prompt="Short.", max_tokens=4, bootstrap_host="127.0.0.1",
+                      bootstrap_port=port, bootstrap_room=7)
+    assert late.status_code == 499 and late.json()["error"]["code"] == "cancelled", late.text
+    d.idle()  # its held rows went back
+
+
 def test_an_unreachable_prefill_instance_fails_the_decode_request_and_frees_it(deployments):
     d = deployments["default"]
     failed = completion(d.decode.base_url, prompt=PROMPT, max_tokens=4, bootstrap_host="127.0.0.1",
