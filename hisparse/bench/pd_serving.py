@@ -24,13 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 from hisparse.bench.prefix_reuse import completion, errors, median
 from hisparse.bench.serving import prompts_from
-from hisparse.bench.serving_client import RequestResult, stream_request
-from hisparse.bench.serving_server import ServerProcess, free_loopback_port, wait_ready
+from hisparse.bench.serving_client import send_all
+from hisparse.bench.serving_server import ServerProcess, free_loopback_port, start_pd_router, wait_ready
 from hisparse.cli_args import OneLineParser, int_in, output_dir, positive_int, size_flag
 from hisparse.models.loader import open_model
 
@@ -88,26 +87,8 @@ class Deployment:
         if self.prefill is None:
             self.url = self.decode.base_url
             return
-        port = free_loopback_port()
-        with open(self.router_log, "wb") as log:
-            self.router = subprocess.Popen(
-                [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
-                 self.prefill.base_url, str(self.bootstrap), "--decode", self.decode.base_url, "--host", "127.0.0.1",
-                 "--port", str(port), "--prometheus-port", str(free_loopback_port()), "--log-level", "warn",
-                 "--disable-retries"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            if self.router.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with status {self.router.returncode}; see {self.router_log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sglang-router did not come up within 60 s; see {self.router_log}")
-            time.sleep(0.2)
+        self.router, self.url = start_pd_router(self.prefill.base_url, self.bootstrap, self.decode.base_url,
+                                                self.router_log)
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
@@ -132,17 +113,8 @@ class Deployment:
         return out
 
 
-async def _send_all(url: str, bodies: list[tuple[str, dict]], on_chunk) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=len(bodies) + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(stream_request(client, f"{url}{path}", body, on_chunk)
-                                         for path, body in bodies))
-        return list(results), time.perf_counter() - start
-
-
 def run_round(deployment: Deployment, model: str, prompts: list[str], args, bar: tqdm) -> dict:
-    results, seconds = asyncio.run(_send_all(deployment.url, [completion(model, p, args.output_tokens)
+    results, seconds = asyncio.run(send_all(deployment.url, [completion(model, p, args.output_tokens)
                                                               for p in prompts], bar.update))
     tokens = sum(r.output_tokens for r in results)
     itl = [gap for r in results for gap in r.itl]

@@ -34,7 +34,7 @@ import httpx
 from tqdm import tqdm
 
 from hisparse.bench.serving import default_model_shape
-from hisparse.bench.serving_client import RequestResult, stream_request
+from hisparse.bench.serving_client import RequestResult, send_all, stream_request
 from hisparse.bench.serving_server import ServerProcess, wait_ready
 from hisparse.cli_args import OneLineParser, int_in, output_dir, positive_int
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -84,15 +84,6 @@ def budgets(args, files) -> dict[bool, int]:
 # -- workloads ------------------------------------------------------------------------------------------------
 
 
-async def _gather(base_url: str, bodies: list[tuple[str, dict]], on_chunk) -> tuple[list[RequestResult], float]:
-    limits = httpx.Limits(max_connections=len(bodies) + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(stream_request(client, f"{base_url}{path}", body, on_chunk)
-                                         for path, body in bodies))
-        return list(results), time.perf_counter() - start
-
-
 def completion(model: str, prompt: list[int] | str, max_tokens: int) -> tuple[str, dict]:
     return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -103,8 +94,8 @@ def shared_prefix(server: ServerProcess, model: str, args, stream: list[int], ba
     start = args.shared_tokens
     own = [stream[start + args.own_tokens * i:start + args.own_tokens * (i + 1)] for i in range(args.requests + 1)]
     bodies = [completion(model, shared + own[i], args.output_tokens) for i in range(args.requests)]
-    results, seconds = asyncio.run(_gather(server.base_url, bodies, bar.update))
-    alone, _ = asyncio.run(_gather(server.base_url, [completion(model, shared + own[-1], args.output_tokens)],
+    results, seconds = asyncio.run(send_all(server.base_url, bodies, bar.update))
+    alone, _ = asyncio.run(send_all(server.base_url, [completion(model, shared + own[-1], args.output_tokens)],
                                    bar.update))
     return summary(results, seconds) | {"ttft_alone_s": alone[0].ttft,
                                         "cached_tokens_alone": alone[0].cached_tokens,

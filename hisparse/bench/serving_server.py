@@ -113,3 +113,32 @@ def wait_ready(servers: list[ServerProcess], timeout: float = 300.0) -> None:
                                f"last lines of {server.log_path}:\n{server.log_tail()}")
         if pending:
             time.sleep(0.25)
+
+
+def start_pd_router(prefill_url: str, bootstrap_port: int, decode_url: str, log_path: Path | None = None,
+                    timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """sglang-router (`--pd-disaggregation`) in front of one prefill and one decode server, on a free loopback
+    port (its Prometheus exporter too, whose default port a second router would find taken); returns the
+    process and its URL once its /health answers (its workers have passed their health checks)."""
+    port = free_loopback_port()
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
+               str(bootstrap_port), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-port", str(free_loopback_port()), "--log-level", "warn", "--disable-retries"]
+    log = open(log_path, "wb") if log_path is not None else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        if log_path is not None:
+            log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"sglang-router did not come up within {timeout:.0f} s (status {process.wait()}); see "
+                       f"{log_path or 'its output'}")

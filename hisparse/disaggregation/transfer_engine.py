@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hisparse.disaggregation.row_transfer import PoolSpec
+
 
 class TransferError(RuntimeError):
     pass
@@ -52,6 +54,12 @@ class KVTransferEngine:
             raise TransferError(f"Mooncake could not register {nbytes} bytes at {tensor.data_ptr():#x}")
         self._registered.append(tensor)
         return tensor.data_ptr()
+
+    def register_pools(self, pools: list[tuple[str, torch.Tensor]]) -> list[PoolSpec]:
+        """Register an engine's named row pools (`LLMEngine.row_pools`); returns how a peer addresses them."""
+        for _, pool in pools:
+            self.register(pool)
+        return [PoolSpec.of(name, pool) for name, pool in pools]
 
     def write(self, session_id: str, sources: Sequence[int], destinations: Sequence[int],
               lengths: Sequence[int]) -> None:

@@ -17,7 +17,7 @@ from hisparse.attention.paged import PagedKVCache
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
 from hisparse.engine.model_runner import ModelRunner
-from hisparse.engine.request import Request
+from hisparse.engine.request import Request, RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
 from hisparse.formats.kv_layout import RowLayout
@@ -257,8 +257,8 @@ class LLMEngine:
     def start_decode(self, request_id: str, first_token: int) -> Request:
         """A transferring request's prompt rows are in its memory: take the first token the prefill instance
         sampled (it may end the request) and decode from the next step."""
-        request = next((r for r in self.scheduler.transferring if r.request_id == request_id), None)
-        if request is None:
+        request = self.find_request(request_id)
+        if request is None or request.status is not RequestStatus.TRANSFERRING:
             raise KeyError(f"no request {request_id!r} is waiting for its prompt's rows")
         self.scheduler.start_decode(request)
         self.stats.prompt_tokens += request.num_prompt_tokens

@@ -113,8 +113,9 @@ class Scheduler:
         keeps it until `release_held`)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request in self.running or request in self.transferring:
-            (self.running if request in self.running else self.transferring).remove(request)
+        admitted = next((q for q in (self.running, self.transferring) if request in q), None)
+        if admitted is not None:
+            admitted.remove(request)
             if request.hold_kv and reason != "abort":
                 self.held[request.request_id] = request
             else:

@@ -9,6 +9,7 @@ engine and never costs another request anything.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -41,7 +42,6 @@ from hisparse.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -66,9 +66,7 @@ class APIError(Exception):
         self.counted = counted  # the engine thread has counted it already (a request that failed in the engine)
 
     def body(self) -> ErrorResponse:
-        kind = ("rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500
-                else "server_error")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+        return ErrorResponse.of(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
@@ -369,20 +367,17 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_queued_requests: in
                 decode.forget(request_id)
             raise
         assert isinstance(event, Accepted)
-        settle = None
-        if pd_prefill:
+        if not pd_prefill:
+            return stream, event.prompt_tokens, None
+
+        async def room_outcome(future: concurrent.futures.Future):
             try:
-                outcome = await asyncio.wrap_future(prefill.attach(request_id, bootstrap[2]))
+                return await asyncio.wrap_future(future)
             except RoomFailed as failure:
-                engine_loop.abort(request_id)
                 raise APIError(failure.status, failure.message, "bootstrap_room", failure.code) from None
 
-            async def settle() -> None:
-                try:
-                    await asyncio.wrap_future(outcome)
-                except RoomFailed as failure:
-                    raise APIError(failure.status, failure.message, "bootstrap_room", failure.code) from None
-        return stream, event.prompt_tokens, settle
+        outcome = await room_outcome(prefill.attach(request_id, bootstrap[2]))  # a failed attach frees the request
+        return stream, event.prompt_tokens, lambda: room_outcome(outcome)
 
     def on_close(stream: RequestStream) -> Callable[[], None]:
         def close() -> None:

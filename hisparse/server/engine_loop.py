@@ -137,11 +137,6 @@ class _Fail:
     failure: Failed
 
 
-@dataclass(frozen=True)
-class _Flush:
-    done: concurrent.futures.Future  # set to whether the prefix cache was emptied
-
-
 @dataclass
 class _Tracked:
     """What the thread remembers about a request between steps to cut its output into deltas."""
@@ -287,11 +282,7 @@ class EngineLoop:
 
     async def flush_cache(self) -> bool:
         """Empty the engine's prefix cache between two steps; False while a running request reuses it."""
-        if not self.alive:
-            raise EngineUnavailable("the engine is not running")
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Flush(done))
-        return await asyncio.wrap_future(done)
+        return await asyncio.wrap_future(self.call(lambda engine: engine.flush_cache()))
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -308,8 +299,6 @@ class EngineLoop:
                 try:
                     if isinstance(command, _Add):
                         self._add(command)
-                    elif isinstance(command, _Flush):
-                        command.done.set_result(self.engine.flush_cache())
                     elif isinstance(command, _Call):
                         self._call(command)
                     elif isinstance(command, _StartDecode):
@@ -347,8 +336,8 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         try:
-            roles = {name: True for name in ("remote_prefill", "hold_kv") if getattr(command, name)}
-            request = self.engine.add_request(command.prompt, command.params, command.request_id, **roles)
+            request = self.engine.add_request(command.prompt, command.params, command.request_id,
+                                              remote_prefill=command.remote_prefill, hold_kv=command.hold_kv)
         except RequestError as error:
             self._refuse(command.stream, Failed(400, str(error), error.field, error.code))
             return
@@ -466,7 +455,7 @@ class EngineLoop:
         for command in pending:
             if isinstance(command, _Add):
                 self._refuse(command.stream, Failed(503, "the server is shutting down"))
-            elif isinstance(command, (_Flush, _Call)):
+            elif isinstance(command, _Call):
                 command.done.set_exception(EngineUnavailable("the server is shutting down"))
         for request_id, t in list(self._tracked.items()):
             del self._tracked[request_id]

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import httpx
 
 from hisparse.disaggregation.protocol import Destination, prompt_digest
-from hisparse.disaggregation.row_transfer import PoolSpec
 from hisparse.disaggregation.transfer_engine import KVTransferEngine
-from hisparse.engine.request import RequestStatus
 from hisparse.server.engine_loop import EngineLoop, Failed
 
 log = logging.getLogger("hisparse.server")
@@ -44,9 +42,7 @@ class DecodeRooms:
         self.engine = engine_loop.engine
         self.transfer = transfer
         self.timeout = timeout
-        self.pools = [PoolSpec.of(name, pool) for name, pool in self.engine.row_pools()]
-        for _, pool in self.engine.row_pools():
-            transfer.register(pool)
+        self.pools = transfer.register_pools(self.engine.row_pools())
         self._claims: dict[str, _Claim] = {}  # request id -> its room; both threads, each key by one at a time
         engine_loop.after_step.append(self._after_step)
         engine_loop.on_abort_transfer = self._on_abort
@@ -77,17 +73,16 @@ class DecodeRooms:
         started = time.perf_counter()
         try:
             response = await self._http().put(url, json=destination.to_json())
-        except httpx.TimeoutException:
-            await self._cancel(claim)
-            self._fail(request_id, f"the prefill instance at {claim.bootstrap} sent no rows for bootstrap_room "
-                                   f"{claim.room} within {self.timeout:.0f} s", "kv_transfer_timeout", 504)
-            return
         except asyncio.CancelledError:
             return
-        except Exception as error:  # connection refused or broken, a bad URL: told the same way
+        except Exception as error:  # timed out, connection refused or broken, a bad URL
             await self._cancel(claim)  # a live prefill side stops writing before the memory goes back
-            self._fail(request_id, f"the prefill instance's bootstrap server at {claim.bootstrap} could not be "
-                                   f"reached: {type(error).__name__}: {error}", "prefill_unreachable")
+            if isinstance(error, httpx.TimeoutException):
+                self._fail(request_id, f"the prefill instance at {claim.bootstrap} sent no rows for bootstrap_room "
+                                       f"{claim.room} within {self.timeout:.0f} s", "kv_transfer_timeout", 504)
+            else:
+                self._fail(request_id, f"the prefill instance's bootstrap server at {claim.bootstrap} could not be "
+                                       f"reached: {type(error).__name__}: {error}", "prefill_unreachable")
             return
         if response.status_code == 200:
             try:
@@ -147,8 +142,7 @@ class DecodeRooms:
     def _on_abort(self, request_id: str) -> None:
         """A transferring request is being aborted: cancel its room before its memory goes back."""
         claim = self._claims.get(request_id)
-        request = self.engine.find_request(request_id)
-        if claim is None or request is None or request.status is not RequestStatus.TRANSFERRING:
+        if claim is None:
             self.engine_loop.force_abort(request_id)
             return
         claim.loop.call_soon_threadsafe(lambda: claim.loop.create_task(self._abort(request_id, claim)))

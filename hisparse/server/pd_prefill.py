@@ -27,10 +27,11 @@ from fastapi.responses import JSONResponse
 
 from hisparse.disaggregation.kv_sender import KVSender, SendJob, SendResult
 from hisparse.disaggregation.protocol import Destination, prompt_digest
-from hisparse.disaggregation.row_transfer import PoolSpec, check_compatible
+from hisparse.disaggregation.row_transfer import check_compatible
 from hisparse.disaggregation.transfer_engine import KVTransferEngine
 from hisparse.engine.request import Request as EngineRequest
 from hisparse.server.engine_loop import EngineLoop
+from hisparse.server.protocol import ErrorResponse
 
 log = logging.getLogger("hisparse.server")
 
@@ -59,9 +60,7 @@ class PrefillRooms:
         self.engine_loop = engine_loop
         self.engine = engine_loop.engine
         self.timeout = timeout
-        self.pools = [PoolSpec.of(name, pool) for name, pool in self.engine.row_pools()]
-        for _, pool in self.engine.row_pools():
-            transfer.register(pool)
+        self.pools = transfer.register_pools(self.engine.row_pools())
         self.sender = KVSender(transfer, lambda result: engine_loop.call(lambda _: self._sent(result)))
         self.rooms: dict[int, _Room] = {}  # engine thread only
         # Rooms that ended, for as long as a late half may still come: it gets their outcome at once.
@@ -72,10 +71,9 @@ class PrefillRooms:
     # -- engine thread (after_step, or EngineLoop.call) -----------------------------------------------
 
     def _room(self, room: int) -> _Room:
-        if room in self.ended:
-            failure = RoomFailed(409, f"bootstrap_room {room} has ended already", "room_ended")
-            outcome = self.ended[room][1]
-            raise outcome.exception() if outcome.exception() is not None else failure
+        if room in self.ended:  # a late half gets the room's failure, or is a duplicate of a room sent
+            raise self.ended[room][1].exception() or RoomFailed(409, f"bootstrap_room {room} has ended already",
+                                                                "room_ended")
         if room not in self.rooms:
             self.rooms[room] = _Room(room)
         return self.rooms[room]
@@ -114,15 +112,11 @@ class PrefillRooms:
 
     def cancel(self, room: int) -> concurrent.futures.Future:
         """The decode side gave up on `room`: fail it; the returned future resolves once no write is in flight."""
-        entry = self.rooms.get(room)
-        if entry is None:  # unknown or ended: a half that comes later fails at once
+        if room in self.ended:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
-            if room not in self.ended:
-                cancelled: concurrent.futures.Future = concurrent.futures.Future()
-                cancelled.set_exception(RoomFailed(499, "the decode instance cancelled the request", "cancelled"))
-                self.ended[room] = (time.monotonic(), cancelled)
             return done
+        entry = self._room(room)  # a room not known yet is failed all the same: a half that comes later fails at once
         self._fail(entry, RoomFailed(499, "the decode instance cancelled the request", "cancelled"))
         return entry.quiet
 
@@ -230,8 +224,7 @@ def bootstrap_app(engine_loop: EngineLoop, rooms: PrefillRooms) -> FastAPI:
     app = FastAPI(title="hisparse bootstrap")
 
     def error(status: int, message: str, code: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                       "invalid_request_error", "param": None, "code": code}}, status_code=status)
+        return JSONResponse(ErrorResponse.of(status, message, None, code).model_dump(), status_code=status)
 
     @app.get("/health")
     async def health() -> JSONResponse:

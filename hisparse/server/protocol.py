@@ -208,3 +208,9 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+    @classmethod
+    def of(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
+        """OpenAI's body for an HTTP status: its `type` follows from the status."""
+        kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+        return cls(error=ErrorInfo(message=message, type=kind, param=param, code=code))

@@ -313,10 +313,10 @@ def test_engine_failure_fails_only_its_requests(server, client, reference, monke
             raise RuntimeError("injected step failure")
         return out
 
-    def failing_add(prompt, params, request_id=None):
+    def failing_add(prompt, params, request_id=None, **roles):
         if params.seed == 666:
             raise RuntimeError("injected add failure")
-        return real_add(prompt, params, request_id)
+        return real_add(prompt, params, request_id, **roles)
 
     monkeypatch.setattr(engine, "step", failing_step)
     monkeypatch.setattr(engine, "add_request", failing_add)
@@ -415,7 +415,7 @@ class _StalledEngine:
     def stats_dict(self) -> dict:
         return self.counts
 
-    def add_request(self, prompt, params, request_id=None) -> Request:
+    def add_request(self, prompt, params, request_id=None, **roles) -> Request:
         return Request([1], params, request_id)
 
     def abort(self, request_id: str) -> None:

@@ -7,7 +7,6 @@ on either side."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
+from hisparse.bench.serving_server import free_loopback_port as free_port
+from hisparse.bench.serving_server import start_pd_router
 from hisparse.disaggregation.protocol import Destination, prompt_digest
 from hisparse.disaggregation.transfer_engine import KVTransferEngine
 from hisparse.engine.llm_engine import LLMEngine
@@ -31,12 +32,6 @@ PROMPT = ("The history of the printing press begins with movable type in East As
           "where Johannes Gutenberg combined a press, oil-based ink and metal type around 1440. ") * 3 + \
          "In one sentence,"
 TIMEOUT = 20.0  # each room's: generous for two cores under load, short enough for the fault tests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine(flags: list[str], model, tokenizer) -> LLMEngine:
@@ -76,26 +71,6 @@ class Deployment:
         return next(h.__self__ for h in self.prefill.engine_loop.after_step)
 
 
-def start_router(prefill_url: str, bootstrap_port: int, decode_url: str):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
-         str(bootstrap_port), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-port", str(free_port()), "--log-level", "warn", "--disable-retries"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # up once its workers pass their health checks
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("sglang-router did not come up")
-
-
 @pytest.fixture(scope="module")
 def deployments(llama, tokenizer, tiny_dsa_dir, start_server):
     """Per model family: (Deployment, served model name)."""
@@ -116,7 +91,7 @@ def deployments(llama, tokenizer, tiny_dsa_dir, start_server):
                 servers.append(context.__enter__())
             prefill, decode, colocated = servers
             port = httpx.get(f"{prefill.base_url}/server_info").json()["bootstrap_port"]
-            process, url = start_router(prefill.base_url, port, decode.base_url)
+            process, url = start_pd_router(prefill.base_url, port, decode.base_url)
             routers.append(process)
             made[family] = Deployment(prefill, decode, colocated, url)
         yield made
