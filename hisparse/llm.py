@@ -71,3 +71,13 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats_dict()
+
+    def close(self) -> None:
+        """End the engine's other ranks (tp_size > 1; they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -12,8 +12,8 @@ import hisparse
 
 ROOT = Path(hisparse.__file__).parent
 # Each package's rank: a package may import only packages of a lower rank (or modules of its own).
-RANKS = {"formats": 0, "data": 0, "cli_args": 0, "kernels": 1, "memory": 2, "attention": 3, "layers": 3,
-         "models": 4, "engine": 5, "disaggregation": 5, "server": 6, "bench": 6, "tools": 6}
+RANKS = {"formats": 0, "data": 0, "cli_args": 0, "kernels": 1, "distributed": 1, "memory": 2, "attention": 3,
+         "layers": 3, "models": 4, "engine": 5, "disaggregation": 5, "server": 6, "bench": 6, "tools": 6}
 ENTRY_POINT_RANK = 6  # the other top-level modules: llm, launch_server, demo, plan, bench_serving, ...
 
 

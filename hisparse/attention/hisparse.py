@@ -26,9 +26,12 @@ from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 class HiSparseKVCache(HiSparsePools):
     def __init__(self, layout: RowLayout, config: HiSparseConfig, budget_bytes: int, sparse: SparseAttention,
                  max_requests: int, max_context: int, scale: float, device: str = "cpu",
-                 swap_in_backend: str = "auto", prefix_caching: bool = False) -> None:
+                 swap_in_backend: str = "auto", prefix_caching: bool = False,
+                 capacity_layout: RowLayout | None = None) -> None:
+        """capacity_layout: the rows that size the pools, when they are not `layout` (`PagedKVCache.from_budget`)."""
         super().__init__(layout.num_layers, layout.row_width, layout.row_dtype, sparse.index_key, config,
-                         budget_bytes, max_requests, max_context, device, swap_in_backend, prefix_caching)
+                         budget_bytes, max_requests, max_context, device, swap_in_backend, prefix_caching,
+                         None if capacity_layout is None else capacity_layout.row_bytes)
         self.layout = layout
         self.scale = scale
         self.sparse = sparse

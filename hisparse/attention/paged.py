@@ -60,10 +60,13 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(cls, layout: RowLayout, budget_bytes: int, scale: float, device: str = "cpu",
-                    sparse: SparseAttention | None = None, prefix_caching: bool = False):
+                    sparse: SparseAttention | None = None, prefix_caching: bool = False,
+                    capacity_layout: RowLayout | None = None):
         """As many token slots as the budget buys; with an indexer each token also costs its index keys. A
-        budget that buys none is refused here: a server started with it would refuse every request."""
-        per_token = layout.baseline_bytes_per_token(None if sparse is None else sparse.index_key)
+        budget that buys none is refused here: a server started with it would refuse every request.
+        capacity_layout: the rows that decide the count, when they are not `layout` (a tensor-parallel rank holds
+        as many tokens as the largest share's rows fit in the budget)."""
+        per_token = (capacity_layout or layout).baseline_bytes_per_token(None if sparse is None else sparse.index_key)
         if budget_bytes < per_token:
             raise ValueError(f"the device KV budget ({budget_bytes} bytes) buys no token slot: one token's K/V "
                              f"takes {per_token} bytes on the device; raise the device KV budget")

@@ -37,6 +37,14 @@ class EngineConfig:
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON text or dict: top_k, device_buffer_size, ...
     swap_in_backend: str = "auto"  # "auto", "cpu", "reference" or "triton"
+    # Parallelism, as SGLang names it (docs/parallelism.md): one process per rank, started by the engine.
+    tp_size: int = 1  # tensor-parallel ranks: the model's heads, MLP columns and vocabulary split over them
+    dp_size: int = 1  # data-parallel attention groups (with enable_dp_attention)
+    enable_dp_attention: bool = False
+    ep_size: int = 1  # expert-parallel ranks of a MoE model
+    nnodes: int = 1  # machines the ranks run on, tp_size / nnodes on each
+    node_rank: int = 0  # this machine's place among them; 0 runs the engine's scheduler and the server
+    dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (rank 0's machine); None: a free local port
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -50,6 +58,9 @@ class EngineConfig:
         positive_int("max_running_requests")
         positive_int("chunked_prefill_size")
         positive_int("top_k")
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
+            positive_int(name)
+        self._check_parallel()
         for name in ("sparse_attention", "record_topk", "enable_hisparse", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -80,6 +91,36 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+
+    def _check_parallel(self) -> None:
+        if not isinstance(self.node_rank, int) or isinstance(self.node_rank, bool) or not \
+                0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.enable_dp_attention, bool):
+            raise ValueError(f"enable_dp_attention must be True or False, got {self.enable_dp_attention!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} does not split over nnodes {self.nnodes}: each machine runs "
+                             "tp_size / nnodes ranks")
+        if self.dp_size > 1 or self.enable_dp_attention or self.ep_size > 1:
+            raise ValueError("dp_size, enable_dp_attention and ep_size (the DSA models' DP attention and expert "
+                             "parallelism) are not implemented yet: use tp_size")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        elif self.nnodes > 1:
+            raise ValueError("nnodes > 1 needs dist_init_addr: the HOST:PORT of node 0, where the ranks meet")
+        if self.tp_size > 1 and self.device != "cpu":
+            raise ValueError("tensor parallelism runs on the CPU (gloo and shared memory) so far: NCCL on CUDA "
+                             "is not implemented")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def model_dtype(self) -> torch.dtype:

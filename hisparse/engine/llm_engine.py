@@ -5,7 +5,10 @@ Not thread-safe by design: exactly one thread drives `step()`; the server talks 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,13 +17,14 @@ import torch
 
 from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
+from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request, RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.formats.kv_layout import RowLayout
+from hisparse.engine.workers import WorkerGroup, bind_cpus, cpu_shares, free_init_addr
 from hisparse.formats.sparse_attention import IndexerSpec, SparseAttention
 from hisparse.models.loader import open_model
 from hisparse.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,13 +47,74 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None,
+                 rank: int = 0):
         """Everything that can refuse the config (the cache's sizing, the HiSparse checks, the trace folder) runs
         on the model's config before its weights load, so a bad budget costs the seconds of reading the config,
         not the ten of loading (except on a GPU with no budget given, where what the weights leave decides it).
-        Every registered architecture (`models.loader.ARCHITECTURES`) goes through the same steps."""
+        Every registered architecture (`models.loader.ARCHITECTURES`) goes through the same steps.
+
+        With tp_size > 1 this engine is rank 0: it starts the other ranks of its machine (`engine.workers`), each
+        a replica of this engine on its shard (rank: theirs); a rank that fails to start refuses the start with
+        its error. `close()` ends them."""
         self.config = config or EngineConfig()
+        self.tp = TensorParallel(rank, self.config.tp_size)
+        self.workers: WorkerGroup | None = None
+        self._pending: list[tuple[str, tuple]] = []  # rank 0: commands the other ranks have not seen yet
+        if self.tp.size == 1:
+            self._prepare(model, tokenizer)
+            self._load(model, tokenizer)
+            self.rank_pools = [self._pool_bytes()]
+            return
+        if model is not None or tokenizer is not None:
+            raise ValueError("a tensor-parallel engine loads each rank's shard itself: pass no model or tokenizer")
+        if rank == 0:
+            if self.config.node_rank != 0:
+                raise ValueError(f"node_rank {self.config.node_rank} runs ranks, not an engine: start it with "
+                                 "`python -m hisparse.launch_server --node-rank N ...`")
+            if self.config.dist_init_addr is None:
+                self.config = dataclasses.replace(self.config, dist_init_addr=free_init_addr())
+            self._saved_cpus = os.sched_getaffinity(0), torch.get_num_threads()
+            self._cpu_shares = cpu_shares(self.config.ranks_per_node)
+            bind_cpus(self._cpu_shares[0])
+        try:
+            error = self._start_rank()
+        except Exception:  # rank 0 refused the config: no other rank was started
+            self._restore_cpus()
+            raise
+        join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1)
+        reports = self.tp.all_gather_object(error or self._pool_bytes())
+        self.rank_pools = reports  # each rank's pool bytes: what its share of the budget holds
+        failed = [(r, e) for r, e in enumerate(reports) if isinstance(e, str)]
+        if failed:
+            self._stop_ranks()
+            if rank == 0:
+                raise ValueError(f"rank {failed[0][0]} could not start: {failed[0][1]}")
+            raise RuntimeError(failed[0][1])
+
+    def _start_rank(self) -> str | None:
+        """Rank 0 starts the other ranks of its machine first (each takes seconds to import torch and open the
+        model), then refuses a bad config at once, ending them. A failure to load is reported to the group
+        instead of raised, so that every rank learns it and leaves."""
+        if self.tp.rank == 0:
+            self.workers = WorkerGroup(self.config, list(range(1, self.config.ranks_per_node)), self._cpu_shares[1:])
+            try:
+                self._prepare(None, None)
+            except Exception:
+                self.workers.closing.set()
+                self.workers.kill()
+                raise
+        try:
+            if self.tp.rank != 0:
+                self._prepare(None, None)
+            self._load(None, None)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+        return None
+
+    def _prepare(self, model, tokenizer) -> None:
         files = None if model is not None and tokenizer is not None else open_model(self.config.model)
+        self._files = files
         key_kind = self.config.index_key_format
         if model is not None:
             mc, indexer, model_dtype = model.config, model.indexer_spec(key_kind), model.dtype
@@ -59,8 +124,14 @@ class LLMEngine:
         else:  # what loading will build (the default model gets its shipped indexers)
             mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
-        layout = mc.row_layout(self.config.kv_kind(model_dtype))
+        kind = self.config.kv_kind(model_dtype)
+        if self.tp.size > 1 and not hasattr(mc, "for_rank"):
+            raise ValueError(f"{files.architecture} does not run tensor-parallel yet: serve it with tp_size 1")
+        # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
+        layout = mc.for_rank(self.tp.rank, self.tp.size).row_layout(kind) if self.tp.size > 1 else mc.row_layout(kind)
+        self._layouts = layout, (mc.for_rank(0, self.tp.size).row_layout(kind) if self.tp.size > 1 else None)
         sparse = self._sparse_attention(indexer, mc.num_layers)
+        self._sparse = sparse
         if self.config.enable_hisparse and (sparse is None or sparse.dense_layers):
             raise ValueError("HiSparse needs a sparse-attention model with an indexer in every layer")
         if self.config.topk_trace_dir is not None:  # found unwritable now, not when the first request ends
@@ -72,16 +143,19 @@ class LLMEngine:
         if torch.device(self.config.device).type == "cuda":  # Triton launches on the current device
             torch.cuda.set_device(torch.device(self.config.device))
         budget = self.config.kv_budget_before_weights()
-        self.cache = None if budget is None else self._new_cache(layout, sparse, budget, mc.attention_scale)
-        self.model = model if model is not None else files.load(model_dtype, self.config.device)
+        self._attention_scale = mc.attention_scale
+        self.cache = None if budget is None else self._new_cache(budget)
+
+    def _load(self, model, tokenizer) -> None:
+        files = self._files
+        self.model = model if model is not None else files.load(self.config.model_dtype, self.config.device, self.tp)
         if self.cache is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            self.cache = self._new_cache(layout, sparse, self.config.resolved_kv_budget(weight_bytes),
-                                         mc.attention_scale)
+            self.cache = self._new_cache(self.config.resolved_kv_budget(weight_bytes))
         self.tokenizer = tokenizer if tokenizer is not None else files.tokenizer()
         self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
                                    self.config.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, self.tp)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
 
@@ -102,14 +176,17 @@ class LLMEngine:
                                  f"layer {layer} dense too, or layer {source} sparse")
         return sparse
 
-    def _new_cache(self, layout: RowLayout, sparse: SparseAttention | None, budget: int, attention_scale: float):
+    def _new_cache(self, budget: int):
+        """The budget is per rank; `capacity_layout` (tensor parallel: the largest share's rows) decides how many
+        tokens it buys, so that every rank holds the same ones."""
+        (layout, capacity_layout), sparse, scale = self._layouts, self._sparse, self._attention_scale
         if self.config.enable_hisparse:
             hisparse = self.config.hisparse_config.with_model_top_k(sparse.top_k)
             return HiSparseKVCache(layout, hisparse, budget, sparse, self.config.max_running_requests,
-                                   self.max_model_len, attention_scale, self.config.device,
-                                   self.config.swap_in_backend, self.config.enable_prefix_caching)
-        return PagedKVCache.from_budget(layout, budget, attention_scale, self.config.device, sparse,
-                                        self.config.enable_prefix_caching)
+                                   self.max_model_len, scale, self.config.device,
+                                   self.config.swap_in_backend, self.config.enable_prefix_caching, capacity_layout)
+        return PagedKVCache.from_budget(layout, budget, scale, self.config.device, sparse,
+                                        self.config.enable_prefix_caching, capacity_layout)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -149,6 +226,7 @@ class LLMEngine:
                                "context_length_exceeded")
         self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(request)
+        self._mirror("add_request", ids, params, request.request_id, request.record_topk, remote_prefill, hold_kv)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -168,6 +246,7 @@ class LLMEngine:
         return ids
 
     def abort(self, request_id: str) -> Request | None:
+        self._mirror("abort", request_id)
         request = self.scheduler.abort(request_id)
         self._detokenizers.pop(request_id, None)
         return request
@@ -180,8 +259,23 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that produced a token (finished ones included)."""
+        if self.tp.size == 1:
+            return self._step()
+        try:
+            return self._step()
+        except Exception as error:  # a step half run on some ranks: they are out of step for good
+            if self.workers is None:
+                raise
+            self.workers.fail(f"rank {self.tp.rank}: {type(error).__name__}: {error}")
+            raise
+
+    def _step(self) -> list[Request]:
         start = time.perf_counter()
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast_object(("step", self._take_pending()))
         batch = self.scheduler.schedule()
+        if self.tp.size > 1:
+            self._check_same_batch(batch)
         if batch is None:
             return []
         decode_only = not batch.prefill_spans
@@ -233,7 +327,7 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
-        if request.record_topk and self.config.topk_trace_dir is not None:
+        if request.record_topk and self.config.topk_trace_dir is not None and self.tp.rank == 0:
             from hisparse.engine.topk_trace import save_request_trace
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
@@ -260,6 +354,7 @@ class LLMEngine:
         request = self.find_request(request_id)
         if request is None or request.status is not RequestStatus.TRANSFERRING:
             raise KeyError(f"no request {request_id!r} is waiting for its prompt's rows")
+        self._mirror("start_decode", request_id, first_token)
         self.scheduler.start_decode(request)
         self.stats.prompt_tokens += request.num_prompt_tokens
         self.stats.cached_prompt_tokens += request.num_cached_tokens
@@ -268,10 +363,12 @@ class LLMEngine:
 
     def release_held(self, request_id: str) -> None:
         """A finished hold_kv request's rows have been sent (or never will be): give its memory back."""
+        self._mirror("release_held", request_id)
         self.scheduler.release_held(request_id)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix."""
+        self._mirror("flush_cache")
         return self.cache.prefix.flush()
 
     def reset_stats(self) -> None:
@@ -295,8 +392,83 @@ class LLMEngine:
                "running": len(self.scheduler.running), "transferring": len(self.scheduler.transferring),
                "held": len(self.scheduler.held),
                "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
-               "memory": self.cache.usage()}
+               "memory": self.cache.usage(), "tp_size": self.tp.size, "ranks": self.rank_pools}
         counters = getattr(self.cache, "counters", None)
         if counters is not None:
             out["swap_in"] = counters.as_dict()
         return out
+
+    # -- tensor parallel: rank 0 leads, the other ranks follow ------------------------------------------------
+
+    def _pool_bytes(self) -> dict[str, int]:
+        """The bytes of this rank's KV pools: on the device (rows and indexer keys) and in the host pool."""
+        cache = self.cache
+
+        def size(tensor) -> int:
+            return tensor.numel() * tensor.element_size()
+
+        index = 0 if cache.index_cache is None else size(cache.index_cache.rows)
+        if isinstance(cache, HiSparseKVCache):
+            return {"device_kv_bytes": size(cache.device_kv) + index, "host_kv_bytes": size(cache.host_kv)}
+        return {"device_kv_bytes": size(cache.kv) + index, "host_kv_bytes": 0}
+
+    def rank_usage(self) -> list[dict[str, int]]:
+        """Every rank's `cache.usage()` (slots in use per pool), asked of the ranks now: they hold the same
+        tokens, so a difference is a bug."""
+        if self.tp.size == 1:
+            return [self.cache.usage()]
+        self.tp.broadcast_object(("report", self._take_pending()))
+        return self.tp.all_gather_object(self.cache.usage())
+
+    def _mirror(self, name: str, *args) -> None:
+        """Rank 0: a call that changes the engine's state, for the other ranks to make before the next step."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self._pending.append((name, args))
+
+    def _take_pending(self) -> list[tuple[str, tuple]]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _check_same_batch(self, batch) -> None:
+        """Every rank scheduled the same spans, or the ranks diverged: a step would mix requests' rows."""
+        spans = [] if batch is None else [(s.request.request_id, s.start, s.length) for s in batch.spans]
+        digests = self.tp.all_gather_object(zlib.crc32(repr(spans).encode()))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"the tensor-parallel ranks scheduled different batches (digests {digests})")
+
+    def follow(self) -> None:
+        """A rank other than 0: make rank 0's calls and steps, in its order, until it stops."""
+        while True:
+            kind, commands = self.tp.broadcast_object()
+            for name, args in commands:
+                getattr(self, name)(*args)
+            if kind == "stop":
+                break
+            if kind == "report":
+                self.tp.all_gather_object(self.cache.usage())
+            else:
+                self.step()
+        leave_group()
+
+    def _stop_ranks(self) -> None:
+        if self.tp.rank == 0:
+            if self.workers is not None:
+                self.workers.closing.set()
+            self.tp.broadcast_object(("stop", []))
+            if self.workers is not None:
+                self.workers.close()
+            leave_group()
+            self._restore_cpus()
+        else:
+            self.tp.broadcast_object()
+
+    def _restore_cpus(self) -> None:
+        """Rank 0's process gets back the CPUs and threads it had before it became a rank."""
+        os.sched_setaffinity(0, self._saved_cpus[0])
+        torch.set_num_threads(self._saved_cpus[1])
+
+    def close(self) -> None:
+        """End the other ranks (tensor parallel); the engine takes no more calls. Idempotent."""
+        if self.tp.size > 1 and self.tp.rank == 0 and self.tp.comm is not None:
+            self._stop_ranks()
+            self.tp.comm = None

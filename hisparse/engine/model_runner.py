@@ -6,14 +6,16 @@ import time
 
 import torch
 
+from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.engine.sampler import sample
 from hisparse.formats.forward_batch import ForwardBatch
 
 
 class ModelRunner:
-    def __init__(self, model, cache) -> None:
+    def __init__(self, model, cache, tp: TensorParallel | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.tp = tp or TensorParallel()
         self.device = torch.device(cache.device)  # where the weights and the cache are
         self.forward_seconds = 0.0
 
@@ -27,4 +29,9 @@ class ModelRunner:
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), backend)
         logits = self.model.compute_logits(hidden[batch.sample_indices.to(self.device)])
         self.forward_seconds += time.perf_counter() - start
-        return sample(logits.float(), [s.request for s in batch.sample_spans])
+        if self.tp.size == 1:
+            return sample(logits.float(), [s.request for s in batch.sample_spans])
+        # Tensor parallel: each rank has its slice of the vocabulary; rank 0 samples, every rank takes its tokens.
+        logits = self.tp.gather_last_dim(logits.float())
+        tokens = sample(logits, [s.request for s in batch.sample_spans]) if self.tp.rank == 0 else None
+        return self.tp.broadcast_object(tokens)

@@ -187,14 +187,17 @@ class HiSparsePools:
 
     def __init__(self, num_layers: int, row_width: int, row_dtype: torch.dtype, index_key: IndexKeyFormat,
                  config: HiSparseConfig, budget_bytes: int, max_requests: int, max_context: int,
-                 device: str = "cpu", swap_in_backend: str = "auto", prefix_caching: bool = False) -> None:
+                 device: str = "cpu", swap_in_backend: str = "auto", prefix_caching: bool = False,
+                 sizing_row_bytes: int | None = None) -> None:
+        """sizing_row_bytes: the row size that decides how many rows the budget buys, when the rows are smaller
+        (a tensor-parallel rank with fewer KV heads than rank 0 holds as many tokens as rank 0)."""
         self.num_layers = num_layers
         self.config = config
         self.device = device
         self.max_context = max_context
         self.row_bytes = row_width * row_dtype.itemsize  # one token, one layer
         self.index_row_bytes = index_key.row_bytes
-        sizing = PoolSizing(num_layers, self.row_bytes, self.index_row_bytes, config, budget_bytes)
+        sizing = PoolSizing(num_layers, sizing_row_bytes or self.row_bytes, self.index_row_bytes, config, budget_bytes)
         sizing.check(device, max_context)
         self.cell_bytes, self.device_slots = sizing.cell_bytes, sizing.device_slots
         self.logical_capacity = sizing.logical_capacity

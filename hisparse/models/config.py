@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from hisparse.distributed.tensor_parallel import split_sizes
 from hisparse.formats.kv_layout import KVLayout
 
 
@@ -30,6 +32,18 @@ class LlamaConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    def for_rank(self, rank: int, size: int) -> LlamaConfig:
+        """The part of the model one of `size` tensor-parallel ranks holds: its share of the KV heads (as even as
+        they split) with their Q heads, and of the MLP's columns. The vocabulary stays the model's."""
+        if size == 1:
+            return self
+        if size > self.num_kv_heads:
+            raise ValueError(f"tp_size {size} is more than the model's {self.num_kv_heads} KV heads: each rank "
+                             "holds at least one")
+        kv_heads, mlp = split_sizes(self.num_kv_heads, size)[rank], split_sizes(self.intermediate_size, size)[rank]
+        return dataclasses.replace(self, num_heads=kv_heads * (self.num_heads // self.num_kv_heads),
+                                   num_kv_heads=kv_heads, intermediate_size=mlp)
 
     @property
     def q_size(self) -> int:

@@ -7,6 +7,7 @@ is undone here, once, at load time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -93,21 +94,28 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.array(values.reshape(shape), dtype=np.float32)  # a writable copy, never the memory map
 
 
-def load_gguf(source: str | Path | gguf.GGUFReader) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_gguf(source: str | Path | gguf.GGUFReader, keep: Callable | None = None
+              ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """The config and a state dict in our parameter names (float32). Pass the reader when you have one:
-    opening it again costs seconds."""
+    opening it again costs seconds. keep(name, tensor, config): the part of each tensor to hold (a
+    tensor-parallel rank's shard), taken as each is read, so the whole model is never in memory at once."""
     reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
     config = read_config(reader)
     state: dict[str, torch.Tensor] = {}
+
+    def put(name: str, values: np.ndarray) -> None:
+        tensor = torch.from_numpy(values)
+        state[name] = tensor if keep is None else keep(name, tensor, config)
+
     for tensor in reader.tensors:
         name = tensor.name
         values = dequantize(tensor)
         if name == "token_embd.weight":
-            state["embed_tokens.weight"] = torch.from_numpy(values)
+            put("embed_tokens.weight", values)
         elif name == "output_norm.weight":
-            state["norm.weight"] = torch.from_numpy(values)
+            put("norm.weight", values)
         elif name == "output.weight":
-            state["lm_head.weight"] = torch.from_numpy(values)
+            put("lm_head.weight", values)
         elif name.startswith("blk."):
             _, index, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
@@ -116,5 +124,5 @@ def load_gguf(source: str | Path | gguf.GGUFReader) -> tuple[LlamaConfig, dict[s
                 values = unpermute_rope_rows(values, config.num_heads)
             elif rest == "attn_k.weight":
                 values = unpermute_rope_rows(values, config.num_kv_heads)
-            state[f"layers.{index}.{_LAYER_NAMES[rest]}"] = torch.from_numpy(values)
+            put(f"layers.{index}.{_LAYER_NAMES[rest]}", values)
     return config, state

@@ -11,6 +11,11 @@ oneDNN's bfloat16 kernels want (2 cores, batch 16: gate/up 425 us in float32 [in
 bfloat16 [out, in], 191 us in bfloat16 [in, out] at batch 4 but 2x slower at batch 16; the LM head
 11.2 vs 2.4 ms). The nn.Linear parameters stay views of the same memory, so training and tests still see
 ordinary modules.
+
+Tensor parallel (`tp`, Megatron's split): each rank holds the Q heads of its share of the KV heads, its share of
+the MLP's columns and of the vocabulary; one all-reduce follows the output projection and one the down
+projection, and the embedding sums its ranks' rows the same way. KV heads split as evenly as they go (the
+default model's 3 over 2 ranks: 2 and 1), so `tp.size` may be any number up to num_kv_heads.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse.attention.backend import AttentionBackend
+from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import RotaryEmbedding, apply_rope_half
@@ -40,10 +46,35 @@ def transposed_weight(*linears: nn.Linear) -> torch.Tensor:
     return fused
 
 
+def shard_weight(name: str, weight: torch.Tensor, config: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
+    """The part of the whole model's parameter `name` (our names, [out, in]) that rank `tp.rank` holds: rows of
+    the vocabulary, the Q/K/V rows of its heads, the gate/up rows of its MLP columns, and the matching input
+    columns of the output and down projections; norms whole."""
+    if tp.size == 1:
+        return weight
+    kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name.split(".")[0]
+    group, head_dim = config.num_heads // config.num_kv_heads, config.head_dim
+    kv_start, kv_heads = tp.share(config.num_kv_heads)
+    mlp_start, mlp = tp.share(config.intermediate_size)
+    rows = {"embed_tokens": tp.share(config.vocab_size), "lm_head": tp.share(config.vocab_size),
+            "q_proj": (kv_start * group * head_dim, kv_heads * group * head_dim),
+            "k_proj": (kv_start * head_dim, kv_heads * head_dim), "v_proj": (kv_start * head_dim, kv_heads * head_dim),
+            "gate_proj": (mlp_start, mlp), "up_proj": (mlp_start, mlp)}
+    columns = {"o_proj": rows["q_proj"], "down_proj": (mlp_start, mlp)}
+    if kind in rows:
+        return weight.narrow(0, *rows[kind]).contiguous()
+    if kind in columns:
+        return weight.narrow(1, *columns[kind]).contiguous()
+    return weight
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer: int) -> None:
+    """config: the rank's share (`LlamaConfig.for_rank`): its heads; the output projection's sums are all-reduced."""
+
+    def __init__(self, config: LlamaConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.tp = tp or TensorParallel()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -78,12 +109,13 @@ class LlamaAttention(nn.Module):
             index_q, index_k, index_w = self.indexer(x, cos, sin)
             index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
-        return out @ self.o_t if self.o_t is not None else self.o_proj(out)
+        return self.tp.all_reduce(out @ self.o_t if self.o_t is not None else self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -96,18 +128,18 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_t is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
         gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_t
+        return self.tp.all_reduce((F.silu(gate) * up) @ self.down_t)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer: int) -> None:
+    def __init__(self, config: LlamaConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = LlamaAttention(config, layer)
+        self.attn = LlamaAttention(config, layer, tp)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x, cos, sin, backend):
         x = x + self.attn(self.input_norm(x), cos, sin, backend)
@@ -115,13 +147,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """config: the whole model's; with `tp` each rank builds its share (`LlamaConfig.for_rank`), and its
+    `compute_logits` returns its slice of the vocabulary."""
+
+    def __init__(self, config: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        shard = config.for_rank(tp.rank, tp.size)
+        self.vocab_start, vocab = tp.share(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shard, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -153,11 +191,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, backend)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the tokens of its slice of the vocabulary (zeros for the others); the sum is every
+        token's row."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.dtype)
+        return self.tp.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head_t if self.lm_head_t is not None else self.lm_head(hidden)

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.models.config import LlamaConfig
 from hisparse.models.deepseek_v32 import DsaConfig, load_dsa_model
 from hisparse.models.default_model import default_model_path
 from hisparse.models.gguf_loader import load_gguf
-from hisparse.models.llama import LlamaForCausalLM
+from hisparse.models.llama import LlamaForCausalLM, shard_weight
 
 # Hugging Face parameter names (after "model.layers.N.") -> ours.
 _HF_LAYER_NAMES = {
@@ -66,9 +67,11 @@ class ModelFiles:
         self.architecture = architecture
         self._tokenizer = None
 
-    def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-        """The model in eval mode, its weights in `dtype` on `device`, as its architecture's loader builds it."""
-        return ARCHITECTURES[self.architecture].load(self, dtype, device)
+    def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             tp: TensorParallel | None = None) -> nn.Module:
+        """The model in eval mode, its weights in `dtype` on `device` (the shard of rank `tp`), as its
+        architecture's loader builds it."""
+        return ARCHITECTURES[self.architecture].load(self, dtype, device, tp or TensorParallel())
 
     def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec | None:
         """The model's lightning indexers as the engine will run them (None: a dense model), from the files'
@@ -174,10 +177,12 @@ def _llama_config(cfg: dict) -> LlamaConfig:
     )
 
 
-def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_hf_llama(folder: Path, keep: Callable | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """keep(name, tensor, config): the part of each tensor to hold (`load_gguf`'s)."""
     from safetensors.torch import load_file
 
     config = _llama_config(_read_hf_config(folder))
+    keep = keep or (lambda name, tensor, config: tensor)
     state: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -185,21 +190,19 @@ def load_hf_llama(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     for file in files:
         for name, tensor in load_file(str(file)).items():
             tensor = tensor.float()
-            if name == "model.embed_tokens.weight":
-                state["embed_tokens.weight"] = tensor
-            elif name == "model.norm.weight":
-                state["norm.weight"] = tensor
-            elif name == "lm_head.weight":
-                state["lm_head.weight"] = tensor
-            elif name.startswith("model.layers."):
+            ours = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
+                    "lm_head.weight": "lm_head.weight"}.get(name)
+            if ours is None and name.startswith("model.layers."):
                 _, _, index, rest = name.split(".", 3)
-                if rest in _HF_LAYER_NAMES:
-                    state[f"layers.{index}.{_HF_LAYER_NAMES[rest]}"] = tensor
+                ours = f"layers.{index}.{_HF_LAYER_NAMES[rest]}" if rest in _HF_LAYER_NAMES else None
+            if ours is not None:
+                state[ours] = keep(ours, tensor, config)
     return config, state
 
 
 def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str | Path | None = None,
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """Load weights into a model of `dtype` (float32 or bfloat16) in eval mode, projections fused for
     inference. The lightning indexers stay float32 whatever the model's dtype: they are small, and their
     scores decide which tokens attention reads.
@@ -208,6 +211,7 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
     indexer: None (default) attaches the shipped trained lightning indexers when `model` is the default
     model (which makes it the sparse-attention model); True requires them; False loads none; a path
     loads indexer weights from that file.
+    tp: the tensor-parallel rank whose shard to load (`llama.shard_weight`); the indexers are whole on every rank.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
@@ -215,9 +219,11 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
     path = files.path
     if files.architecture != "LlamaForCausalLM":
         raise ValueError(f"'{path}' is {files.architecture}, not a Llama model: load it with ModelFiles.load")
-    config, state = load_gguf(files.reader) if files.reader is not None else load_hf_llama(path)
+    tp = tp or TensorParallel()
+    keep = None if tp.size == 1 else (lambda name, tensor, config: shard_weight(name, tensor, config, tp))
+    config, state = load_gguf(files.reader, keep) if files.reader is not None else load_hf_llama(path, keep)
     with torch.device("meta"):
-        net = LlamaForCausalLM(config)
+        net = LlamaForCausalLM(config, tp)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     net.load_state_dict(state, strict=False, assign=True)
@@ -252,14 +258,16 @@ class Architecture:
     """One registered architecture: its config from config.json, its model from the opened files."""
 
     read_config: Callable[[dict], LlamaConfig | DsaConfig]
-    load: Callable[[ModelFiles, torch.dtype, str | torch.device], nn.Module]
+    load: Callable[[ModelFiles, torch.dtype, str | torch.device, TensorParallel], nn.Module]
 
 
-def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    return load_llama(files, dtype=dtype, device=device)
+def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel) -> nn.Module:
+    return load_llama(files, dtype=dtype, device=device, tp=tp)
 
 
-def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel) -> nn.Module:
+    if tp.size > 1:
+        raise ValueError(f"{files.architecture} does not run tensor-parallel yet: serve it with tp_size 1")
     return load_dsa_model(files.path, dtype).to(device)
 
 

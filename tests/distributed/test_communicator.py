@@ -1,0 +1,72 @@
+"""The collectives tensor parallelism runs on, between real processes: shared memory (one machine) and gloo
+(several), each checked against sums taken here in rank order, on every rank bit for bit."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hisparse.engine.workers import free_init_addr
+
+RANK = r"""
+import pickle, sys, torch
+from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group
+rank, world, addr, same, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", sys.argv[5]
+tp = TensorParallel(rank, world)
+join_group(tp, addr, same_machine=same)
+g = torch.Generator().manual_seed(rank)
+small, big = torch.randn(3, 1000, generator=g), torch.randn(3_000_000, generator=g)  # big: over one 8 MiB slot
+blob = bytes(range(256)) * 40_000  # 10 MB pickled: over one slot too
+results = {
+    "small": tp.all_reduce(small.clone()),
+    "big": tp.all_reduce(big.clone()),
+    "gathered": tp.gather_last_dim(torch.arange(6 * (rank + 2), dtype=torch.float32).view(6, rank + 2) + 100 * rank),
+    "wide": tp.gather_last_dim(torch.full((80, 30_000), float(rank))),
+    "object": tp.broadcast_object({"from": rank, "blob": blob} if rank == 0 else None),
+    "all": tp.all_gather_object(("rank", rank)),
+}
+leave_group()
+with open(out, "wb") as f:
+    pickle.dump(results, f)
+"""
+
+
+def run_ranks(tmp_path, world: int, same_machine: bool) -> list[dict]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    addr = free_init_addr()
+    outs = [tmp_path / f"rank{r}.pkl" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), addr, "1" if same_machine else "0",
+                               str(outs[r])]) for r in range(world)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    return [pickle.loads(out.read_bytes()) for out in outs]
+
+
+@pytest.mark.parametrize("world, same_machine", [(2, True), (3, True), (2, False)],
+                         ids=["shared-memory-2", "shared-memory-3", "gloo-2"])
+def test_collectives_match_rank_order_sums_on_every_rank(tmp_path, world, same_machine):
+    results = run_ranks(tmp_path, world, same_machine)
+    inputs = []
+    for rank in range(world):
+        g = torch.Generator().manual_seed(rank)
+        inputs.append((torch.randn(3, 1000, generator=g), torch.randn(3_000_000, generator=g)))
+    for name, index in (("small", 0), ("big", 1)):
+        expected = inputs[0][index].clone()
+        for rank in range(1, world):
+            expected += inputs[rank][index]
+        for rank, got in enumerate(results):
+            assert torch.equal(got[name], expected), f"rank {rank}'s {name} all-reduce differs"
+    widths = [r + 2 for r in range(world)]
+    expected = torch.cat([torch.arange(6 * w, dtype=torch.float32).view(6, w) + 100 * r
+                          for r, w in enumerate(widths)], -1)
+    assert torch.equal(results[0]["gathered"], expected)
+    assert torch.equal(results[0]["wide"], torch.cat([torch.full((80, 30_000), float(r)) for r in range(world)], -1))
+    assert all(r["gathered"] is None and r["wide"] is None for r in results[1:])
+    blob = bytes(range(256)) * 40_000
+    assert all(r["object"] == {"from": 0, "blob": blob} for r in results)
+    assert all(r["all"] == [("rank", k) for k in range(world)] for r in results)
