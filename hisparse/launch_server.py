@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         from hisparse.models.loader import resolve_model_path
 
         resolve_model_path(config.model)
+        if config.tp_size > 1 and args.disaggregation_mode != "null":
+            raise ValueError("tp_size > 1 with --disaggregation-mode is not implemented: one rank per instance")
+        if config.node_rank > 0:
+            return run_ranks(config)
         check_port_free(args.host, args.port)
         if args.disaggregation_mode == "prefill":
             check_port_free(args.host, args.disaggregation_bootstrap_port)
@@ -76,11 +80,25 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     log.info("serving %r on http://%s:%d/v1 (HiSparse %s%s)", args.model_name(), args.host, args.port,
              "on" if config.enable_hisparse else "off",
              "" if disaggregation is None else f", {args.disaggregation_mode} instance")
-    engine_loop.run(on_running=http.start)
-    http.join()
+    try:
+        engine_loop.run(on_running=http.start)
+        http.join()
+    finally:
+        engine.close()
     if not server.started:
         return fail(prog, f"could not serve on {args.host}:{args.port}; uvicorn's reason is logged above")
     return 0
+
+
+def run_ranks(config) -> int:
+    """--node-rank N > 0: this machine's ranks of rank 0's engine, no server; the exit status is theirs."""
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    first = config.node_rank * config.ranks_per_node
+    logging.getLogger("hisparse.server").info("node %d: ranks %d-%d, meeting rank 0 at %s", config.node_rank, first,
+                                              first + config.ranks_per_node - 1, config.dist_init_addr)
+    from hisparse.engine.workers import run_node
+
+    return run_node(config)
 
 
 def disaggregation_role(args, engine_loop):

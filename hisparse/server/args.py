@@ -49,6 +49,13 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_timeout: float = 300.0
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def engine_config(self) -> EngineConfig:
         """Raises ValueError naming the field, like EngineConfig itself."""
@@ -59,7 +66,9 @@ class ServerArgs:
                             top_k=self.top_k,
                             enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
                             swap_in_backend=self.swap_in_backend,
-                            enable_prefix_caching=not self.disable_radix_cache)
+                            enable_prefix_caching=not self.disable_radix_cache, tp_size=self.tp_size,
+                            dp_size=self.dp_size, enable_dp_attention=self.enable_dp_attention, ep_size=self.ep_size,
+                            nnodes=self.nnodes, node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
 
     def model_name(self) -> str:
         """What clients put in `model`: the flag, else the model file's or folder's name."""
@@ -148,6 +157,20 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
     pd.add_argument("--disaggregation-timeout", type=float_in(0.1), default=d.disaggregation_timeout,
                     help="seconds a request's two halves may take to meet and its rows to arrive; then it fails on "
                          "both sides and its memory is freed")
+    par = ap.add_argument_group("parallelism (docs/parallelism.md)")
+    par.add_argument("--tp-size", "--tp", dest="tp_size", type=positive_int, default=d.tp_size,
+                     help="tensor-parallel ranks, one process each: heads, MLP and vocabulary split over them")
+    par.add_argument("--dp-size", "--dp", dest="dp_size", type=positive_int, default=d.dp_size,
+                     help="data-parallel attention groups (with --enable-dp-attention)")
+    par.add_argument("--enable-dp-attention", action="store_true",
+                     help="each data-parallel rank owns its requests' whole cache (the DSA models)")
+    par.add_argument("--ep-size", dest="ep_size", type=positive_int, default=d.ep_size,
+                     help="expert-parallel ranks of a MoE model")
+    par.add_argument("--nnodes", type=positive_int, default=d.nnodes, help="machines the ranks run on")
+    par.add_argument("--node-rank", type=int, default=d.node_rank,
+                     help="this machine's place among them: 0 serves, the others run their ranks only")
+    par.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                     help="HOST:PORT on node 0 where the ranks meet (needed with --nnodes > 1)")
     return ap
 
 
@@ -189,7 +212,9 @@ _FLAGS = {"model": "--model-path", "device_kv_budget": "--device-kv-budget", "to
           "max_running_requests": "--max-running-requests", "chunked_prefill_size": "--chunked-prefill-size",
           "kv_cache_dtype": "--kv-cache-dtype", "dtype": "--dtype", "device": "--device",
           "enable_hisparse": "--enable-hisparse", "hisparse_config": "--hisparse-config",
-          "swap_in_backend": "--swap-in-backend"}
+          "swap_in_backend": "--swap-in-backend", "tp_size": "--tp-size", "dp_size": "--dp-size",
+          "ep_size": "--ep-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
+          "dist_init_addr": "--dist-init-addr", "enable_dp_attention": "--enable-dp-attention"}
 
 
 def fail(prog: str, message: str) -> int:

@@ -77,6 +77,15 @@ class _EngineCollector(Collector):
                 total.add_metric([pool], slots)
                 ratio.add_metric([pool], value / slots if slots else 0.0)
         yield from (used, total, ratio)
+        yield GaugeMetricFamily("hisparse_tp_size", "Tensor-parallel ranks (each holds every token's rows for its "
+                                "share of the KV heads: the slot counts above are every rank's)",
+                                value=stats.get("tp_size", 1))
+        pools = {kind: GaugeMetricFamily(f"hisparse_{kind}_kv_bytes", f"Bytes of the {kind} KV pools, per rank",
+                                         labels=["rank"]) for kind in ("device", "host")}
+        for rank, sizes in enumerate(stats.get("ranks", [])):
+            for kind, family in pools.items():
+                family.add_metric([str(rank)], sizes.get(f"{kind}_kv_bytes", 0))
+        yield from pools.values()
         swap_in = stats.get("swap_in")
         if swap_in is not None:
             for key, (name, text) in _SWAP_IN_COUNTERS.items():
