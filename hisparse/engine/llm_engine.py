@@ -12,6 +12,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 
@@ -74,7 +75,7 @@ class LLMEngine:
                                  "`python -m hisparse.launch_server --node-rank N ...`")
             if self.config.dist_init_addr is None:
                 self.config = dataclasses.replace(self.config, dist_init_addr=free_init_addr())
-            self._saved_cpus = os.sched_getaffinity(0), torch.get_num_threads()
+            self._saved_cpus = os.sched_getaffinity(0), torch.get_num_threads(), numba.get_num_threads()
             self._cpu_shares = cpu_shares(self.config.ranks_per_node)
             bind_cpus(self._cpu_shares[0])
         try:
@@ -466,6 +467,7 @@ class LLMEngine:
         """Rank 0's process gets back the CPUs and threads it had before it became a rank."""
         os.sched_setaffinity(0, self._saved_cpus[0])
         torch.set_num_threads(self._saved_cpus[1])
+        numba.set_num_threads(self._saved_cpus[2])
 
     def close(self) -> None:
         """End the other ranks (tensor parallel); the engine takes no more calls. Idempotent."""

@@ -121,3 +121,17 @@ def test_two_nodes_on_loopback_answer_as_one(tmp_path, one_rank_text):
         if second.poll() is None:
             second.kill()
             second.wait()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp-size", "2"], "--dp-size: dp_size, enable_dp_attention and ep_size"),
+    (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "--tp-size: tp_size 3 does not split"),
+    (["--tp-size", "2", "--nnodes", "2"], "--nnodes: nnodes > 1 needs dist_init_addr"),
+    (["--node-rank", "1"], "--node-rank: node_rank must be an integer in [0, nnodes=1)"),
+    (["--tp-size", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: dist_init_addr must be HOST:PORT"),
+    (["--tp-size", "2", "--disaggregation-mode", "prefill"], "tp_size > 1 with --disaggregation-mode"),
+])
+def test_parallel_flags_are_checked_before_anything_loads(assert_refused, argv, words):
+    from hisparse.launch_server import PROG, main
+
+    assert_refused(main, argv, PROG, words)
