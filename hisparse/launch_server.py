@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 def run_ranks(config) -> int:
     """--node-rank N > 0: this machine's ranks of rank 0's engine, no server; the exit status is theirs."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    first = config.node_rank * config.ranks_per_node
-    logging.getLogger("hisparse.server").info("node %d: ranks %d-%d, meeting rank 0 at %s", config.node_rank, first,
-                                              first + config.ranks_per_node - 1, config.dist_init_addr)
+    ranks = config.node_ranks
+    logging.getLogger("hisparse.server").info("node %d: ranks %d-%d, meeting rank 0 at %s", config.node_rank,
+                                              ranks[0], ranks[-1], config.dist_init_addr)
     from hisparse.engine.workers import run_node
 
     return run_node(config)

@@ -7,8 +7,9 @@ shared-memory one 15-36 us (2 processes, one core each, 1000 calls). That is why
 backends all-reduce through shared memory within a node, as `SharedMemoryCommunicator` does; gloo stays for
 the rendezvous and for ranks on different machines (`GlooCommunicator`).
 
-Both sum in rank order on every rank, so every rank ends with the same bits: the indexer that runs on each
-rank then selects the same top-k everywhere.
+Every rank ends an all-reduce with the same bits (the shared-memory one sums in rank order on every rank; gloo's
+ring reduces each piece once and hands it out), so the indexer that runs on each rank selects the same top-k
+everywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class RankFailure(RuntimeError):
     """A rank stopped taking part in the collectives: the group cannot go on."""
 
 
+def shared_bytes(world_size: int) -> int:
+    """The size of the shared file `SharedMemoryCommunicator` maps for `world_size` ranks."""
+    return 2 * world_size * 8 + 2 * world_size * SLOT_BYTES
+
+
 class SharedMemoryCommunicator:
     """Collectives over one shared file in /dev/shm: per rank a slot in each of two buffers, and two counters.
 
@@ -45,7 +51,7 @@ class SharedMemoryCommunicator:
     def __init__(self, path: str, rank: int, world_size: int, create: bool) -> None:
         self.rank, self.world_size = rank, world_size
         self.path = path
-        size = 2 * world_size * 8 + 2 * world_size * SLOT_BYTES
+        size = shared_bytes(world_size)
         if create:
             with open(path, "wb") as f:
                 f.truncate(size)
@@ -94,11 +100,10 @@ class SharedMemoryCommunicator:
             self.done[self.rank] = self.seq
         return x
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0 gets the ranks' x [rows, width_r] side by side, [rows, sum of widths]; the others get None.
+    def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank 0 gets the ranks' x [rows, widths[r]] side by side, [rows, sum of widths]; the others get None.
         Widths may differ (a vocabulary that does not split evenly)."""
         x = x.contiguous()
-        widths = self.all_gather_object(x.shape[-1])
         size = x.element_size()
         step = max(1, SLOT_BYTES // (max(widths) * size))
         parts: list[list[torch.Tensor]] = [[] for _ in widths]
@@ -170,9 +175,8 @@ class GlooCommunicator:
         dist.all_reduce(x)
         return x
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         x = x.contiguous()
-        widths = self.all_gather_object(x.shape[-1])
         padded = torch.zeros(x.shape[0], max(widths), dtype=x.dtype)
         padded[:, :x.shape[-1]] = x
         parts = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None

@@ -3,15 +3,21 @@ its layers call. With one rank every collective is the identity, so the model co
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import secrets
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from hisparse.distributed.communicator import GlooCommunicator, SharedMemoryCommunicator
+from hisparse.distributed.communicator import GlooCommunicator, SharedMemoryCommunicator, shared_bytes
+
+log = logging.getLogger("hisparse.distributed")
+_shared_files: set[str] = set()  # created by this process and not yet unlinked
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -26,18 +32,17 @@ class TensorParallel:
     size: int = 1
     comm: SharedMemoryCommunicator | GlooCommunicator | None = field(default=None, repr=False)  # set once joined
 
-    def share(self, total: int, rank: int | None = None) -> tuple[int, int]:
-        """(start, length) of a rank's part of `total` (this rank's by default)."""
+    def share(self, total: int) -> tuple[int, int]:
+        """(start, length) of this rank's part of `total`."""
         sizes = split_sizes(total, self.size)
-        rank = self.rank if rank is None else rank
-        return sum(sizes[:rank]), sizes[rank]
+        return sum(sizes[:self.rank]), sizes[self.rank]
 
     def all_reduce(self, x):
         return x if self.size == 1 else self.comm.all_reduce(x)
 
-    def gather_last_dim(self, x):
-        """The ranks' [rows, width_r] side by side on rank 0 (None on the others)."""
-        return x if self.size == 1 else self.comm.gather_last_dim(x)
+    def gather_last_dim(self, x, total: int):
+        """The ranks' [rows, width_r] side by side on rank 0 (None on the others): the split of `total` columns."""
+        return x if self.size == 1 else self.comm.gather_last_dim(x, split_sizes(total, self.size))
 
     def broadcast_object(self, obj=None):
         return obj if self.size == 1 else self.comm.broadcast_object(obj)
@@ -49,23 +54,43 @@ class TensorParallel:
 def join_group(tp: TensorParallel, init_addr: str, same_machine: bool,
                timeout: timedelta = timedelta(minutes=5)) -> None:
     """Join the ranks' torch.distributed group (gloo, rendezvous at init_addr HOST:PORT, served by rank 0) and
-    give `tp` its communicator: shared memory when every rank is on this machine, gloo otherwise. The shared
-    file is unlinked as soon as every rank has mapped it, so no crash can leave it behind."""
+    give `tp` its communicator: shared memory when every rank is on this machine, it is x86 (the communicator
+    relies on its store order) and /dev/shm has the room, gloo otherwise. The shared file is unlinked as soon as
+    every rank has mapped it, and by `remove_shared_files` on the way out of a failed start."""
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=tp.rank, world_size=tp.size,
                             timeout=timeout)
-    if not same_machine:
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    usable = same_machine and platform.machine() in ("x86_64", "AMD64", "i386", "i686")
+    if usable and shutil.disk_usage(folder).free < 2 * shared_bytes(tp.size):
+        log.warning("%s has less than %d MiB free: the ranks' collectives go through gloo", folder,
+                    2 * shared_bytes(tp.size) >> 20)
+        usable = False
+    box = [usable]
+    dist.broadcast_object_list(box, src=0)  # rank 0's view decides for all
+    if not box[0]:
         tp.comm = GlooCommunicator(tp.rank, tp.size)
         return
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    box = [os.path.join(folder, f"hisparse-tp-{os.getpid()}-{secrets.token_hex(4)}") if tp.rank == 0 else None]
+    path = [os.path.join(folder, f"hisparse-tp-{os.getpid()}-{secrets.token_hex(4)}") if tp.rank == 0 else None]
     if tp.rank == 0:
-        tp.comm = SharedMemoryCommunicator(box[0], tp.rank, tp.size, create=True)
-    dist.broadcast_object_list(box, src=0)
-    if tp.rank != 0:
-        tp.comm = SharedMemoryCommunicator(box[0], tp.rank, tp.size, create=False)
-    dist.barrier()
-    if tp.rank == 0:
-        os.unlink(box[0])
+        _shared_files.add(path[0])
+        tp.comm = SharedMemoryCommunicator(path[0], tp.rank, tp.size, create=True)
+    try:
+        dist.broadcast_object_list(path, src=0)
+        if tp.rank != 0:
+            tp.comm = SharedMemoryCommunicator(path[0], tp.rank, tp.size, create=False)
+        dist.barrier()
+    finally:
+        if tp.rank == 0:
+            remove_shared_files()
+
+
+def remove_shared_files() -> None:
+    """Unlink the shared files this process made (mapped ranks keep their memory)."""
+    while _shared_files:
+        try:
+            os.unlink(_shared_files.pop())
+        except FileNotFoundError:
+            pass
 
 
 def leave_group() -> None:

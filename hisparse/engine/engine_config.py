@@ -115,12 +115,13 @@ class EngineConfig:
                              "is not implemented")
 
     @property
-    def world_size(self) -> int:
-        return self.tp_size
-
-    @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this machine (node_rank) runs."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
     @property
     def model_dtype(self) -> torch.dtype:

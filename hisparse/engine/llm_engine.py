@@ -18,10 +18,10 @@ import torch
 
 from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
-from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group
+from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group, remove_shared_files
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
-from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.model_runner import ModelRunner, StepFailed
 from hisparse.engine.request import Request, RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
@@ -56,8 +56,9 @@ class LLMEngine:
         Every registered architecture (`models.loader.ARCHITECTURES`) goes through the same steps.
 
         With tp_size > 1 this engine is rank 0: it starts the other ranks of its machine (`engine.workers`), each
-        a replica of this engine on its shard (rank: theirs); a rank that fails to start refuses the start with
-        its error. `close()` ends them."""
+        a replica of this engine on its shard (rank: theirs); a rank whose start raises refuses the start with
+        its error (a rank that dies ends the process with a line naming it). The engine is bound to the calling
+        thread's CPUs: step it from the thread that made it (the server does). `close()` ends the ranks."""
         self.config = config or EngineConfig()
         self.tp = TensorParallel(rank, self.config.tp_size)
         self.workers: WorkerGroup | None = None
@@ -80,18 +81,37 @@ class LLMEngine:
             bind_cpus(self._cpu_shares[0])
         try:
             error = self._start_rank()
-        except Exception:  # rank 0 refused the config: no other rank was started
-            self._restore_cpus()
+            join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1)
+            reports = self.tp.all_gather_object(error or {**self._pool_bytes(), "config": self._shared_config()})
+        except BaseException:  # rank 0 refused the config, or the ranks never met: end those started
+            if rank == 0:
+                self._abandon_ranks()
             raise
-        join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1)
-        reports = self.tp.all_gather_object(error or self._pool_bytes())
-        self.rank_pools = reports  # each rank's pool bytes: what its share of the budget holds
+        self.rank_pools = [{k: v for k, v in r.items() if k != "config"} for r in reports if isinstance(r, dict)]
         failed = [(r, e) for r, e in enumerate(reports) if isinstance(e, str)]
+        failed += [(r, f"its config differs from rank 0's: {e['config']} against {reports[0]['config']}")
+                   for r, e in enumerate(reports) if not failed and e["config"] != reports[0]["config"]]
         if failed:
             self._stop_ranks()
             if rank == 0:
                 raise ValueError(f"rank {failed[0][0]} could not start: {failed[0][1]}")
             raise RuntimeError(failed[0][1])
+
+    def _shared_config(self) -> str:
+        """What every rank must agree on (another machine's rank was started from its own command line)."""
+        fields = dataclasses.asdict(self.config)
+        for own in ("node_rank", "model"):  # a path may differ by machine; the weights' shapes are checked
+            fields.pop(own)
+        return repr({**fields, "model_dtype": str(self.config.model_dtype), "layers": self.model.config.num_layers,
+                     "vocab": self.model.config.vocab_size, "capacity": self.cache.capacity_tokens})
+
+    def _abandon_ranks(self) -> None:
+        """Rank 0's start failed after the other ranks were started: end them, give the CPUs back."""
+        if self.workers is not None:
+            self.workers.kill()
+        remove_shared_files()
+        leave_group()
+        self._restore_cpus()
 
     def _start_rank(self) -> str | None:
         """Rank 0 starts the other ranks of its machine first (each takes seconds to import torch and open the
@@ -99,12 +119,7 @@ class LLMEngine:
         instead of raised, so that every rank learns it and leaves."""
         if self.tp.rank == 0:
             self.workers = WorkerGroup(self.config, list(range(1, self.config.ranks_per_node)), self._cpu_shares[1:])
-            try:
-                self._prepare(None, None)
-            except Exception:
-                self.workers.closing.set()
-                self.workers.kill()
-                raise
+            self._prepare(None, None)  # raises: refused at once
         try:
             if self.tp.rank != 0:
                 self._prepare(None, None)
@@ -126,8 +141,6 @@ class LLMEngine:
             mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
         self.max_model_len = mc.max_position_embeddings
         kind = self.config.kv_kind(model_dtype)
-        if self.tp.size > 1 and not hasattr(mc, "for_rank"):
-            raise ValueError(f"{files.architecture} does not run tensor-parallel yet: serve it with tp_size 1")
         # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
         layout = mc.for_rank(self.tp.rank, self.tp.size).row_layout(kind) if self.tp.size > 1 else mc.row_layout(kind)
         self._layouts = layout, (mc.for_rank(0, self.tp.size).row_layout(kind) if self.tp.size > 1 else None)
@@ -262,12 +275,21 @@ class LLMEngine:
         """Run one step; return the requests that produced a token (finished ones included)."""
         if self.tp.size == 1:
             return self._step()
+        if self.tp.comm is None:
+            raise RuntimeError("this tensor-parallel engine has ended (closed, or interrupted mid-step)")
         try:
             return self._step()
+        except StepFailed:  # every rank stopped at the same point: the step failed, the engine goes on
+            raise
         except Exception as error:  # a step half run on some ranks: they are out of step for good
             if self.workers is None:
                 raise
             self.workers.fail(f"rank {self.tp.rank}: {type(error).__name__}: {error}")
+            raise
+        except BaseException:  # Ctrl-C mid-step: the ranks can never pair their collectives again
+            if self.workers is not None:
+                self._abandon_ranks()
+                self.tp.comm = None
             raise
 
     def _step(self) -> list[Request]:
@@ -447,8 +469,11 @@ class LLMEngine:
                 break
             if kind == "report":
                 self.tp.all_gather_object(self.cache.usage())
-            else:
+                continue
+            try:
                 self.step()
+            except StepFailed:  # rank 0 fails the step's requests; their aborts come with its next command
+                pass
         leave_group()
 
     def _stop_ranks(self) -> None:

@@ -11,6 +11,11 @@ from hisparse.engine.sampler import sample
 from hisparse.formats.forward_batch import ForwardBatch
 
 
+class StepFailed(RuntimeError):
+    """A tensor-parallel step that every rank gave up at the same point (rank 0 could not sample), so the ranks
+    stay in step: rank 0's caller fails the step's requests as after any failed step."""
+
+
 class ModelRunner:
     def __init__(self, model, cache, tp: TensorParallel | None = None) -> None:
         self.model = model
@@ -32,6 +37,14 @@ class ModelRunner:
         if self.tp.size == 1:
             return sample(logits.float(), [s.request for s in batch.sample_spans])
         # Tensor parallel: each rank has its slice of the vocabulary; rank 0 samples, every rank takes its tokens.
-        logits = self.tp.gather_last_dim(logits.float())
-        tokens = sample(logits, [s.request for s in batch.sample_spans]) if self.tp.rank == 0 else None
-        return self.tp.broadcast_object(tokens)
+        logits = self.tp.gather_last_dim(logits.float(), self.model.config.vocab_size)
+        tokens = None
+        if self.tp.rank == 0:
+            try:
+                tokens = sample(logits, [s.request for s in batch.sample_spans])
+            except Exception as error:
+                tokens = f"{type(error).__name__}: {error}"
+        tokens = self.tp.broadcast_object(tokens)
+        if isinstance(tokens, str):
+            raise StepFailed(tokens)
+        return tokens

@@ -65,7 +65,9 @@ def every_loop_parallel():
 
 def _run_warm_up(engine: LLMEngine, prompt: list[int]) -> None:
     _run_one(engine, prompt)
-    if torch.device(engine.config.device).type == "cpu":  # the numba kernels run only there
+    # The numba kernels run only on the CPU. The thresholds are this process's: tensor-parallel ranks would run
+    # different variants (and wait on each other's compiling), so they compile their parallel ones when first used.
+    if torch.device(engine.config.device).type == "cpu" and engine.config.tp_size == 1:
         with every_loop_parallel():
             _run_one(engine, prompt)
 

@@ -4,15 +4,16 @@ Every rank runs the same engine (scheduler, cache manager over its own KV heads,
 same commands in the same order, so every rank admits, schedules, evicts and finishes alike without being told
 how; only rank 0 samples, and the tokens it draws reach the others in the step. Rank 0 (the process that made
 the `LLMEngine`, the server's) starts the other ranks of its machine; another machine's are started by
-`run_node` (`launch_server --node-rank N`). A rank's process ends with its engine: at rank 0's `close`, at
-rank 0's death (the kernel kills it: PR_SET_PDEATHSIG), or at its own failure, which its launcher's watchdog
-reports in one line naming the rank before it ends every rank of its machine.
+`run_node` (`launch_server --node-rank N`). A rank's process ends with its engine: at rank 0's `close`, when its
+launcher's process ends however it ends (the rank reads the end of its stdin pipe, which only the launcher's
+process holds open), or at its own failure, which its launcher's watchdog reports in one line naming the rank
+before it ends every rank of its machine. Signals are the launcher's to handle: a rank ignores SIGINT and
+SIGTERM sent to the whole process group, so the server's graceful shutdown decides when the ranks stop.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import pickle
 import signal
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from hisparse.distributed.tensor_parallel import remove_shared_files
 
 WATCH_SECONDS = 0.5  # how often the watchdog looks at the ranks
 STOPPED_AFTER_SECONDS = 1.0  # a rank stopped (SIGSTOP, state T) this long is hung
@@ -42,10 +45,10 @@ def cpu_shares(local_ranks: int) -> list[list[int]]:
 
 
 def bind_cpus(cpus: list[int]) -> None:
-    """Run this process (the calling thread and those it starts) on `cpus`, torch's and numba's parallel loops
-    with as many threads: ranks on separate cores never spin against each other's OpenMP teams, and a team never
-    has more threads than its cores (two spinning threads on one core made a batch-16 decode step 7x slower). No
-    CPUs: one thread, no binding."""
+    """Run the calling thread (and the threads it starts) on `cpus`, its torch and numba parallel loops with as
+    many threads (numba's count is the calling thread's own): ranks on separate cores never spin against each
+    other's OpenMP teams, and a team never has more threads than its cores (two spinning threads on one core
+    made a batch-16 decode step 7x slower). No CPUs: one thread, no binding."""
     import numba
     import torch
 
@@ -58,8 +61,8 @@ def bind_cpus(cpus: list[int]) -> None:
 
 class WorkerGroup:
     """One machine's worker ranks, as its launcher (rank 0's engine, or `run_node`) sees them: started, watched,
-    ended. Each is `python -m hisparse.engine.workers`, given its config on stdin: a fresh interpreter that
-    imports nothing of the launcher's program (multiprocessing's spawn would run the launcher's main module again).
+    ended. Each is a fresh interpreter running `workers.main`, given its config on stdin, that imports nothing of
+    the launcher's program (multiprocessing's spawn would run the launcher's main module again).
     The watchdog thread turns any rank's death or stop into one line on stderr and the end of the process (an
     engine whose rank is gone can never step again: each step needs every rank)."""
 
@@ -69,14 +72,18 @@ class WorkerGroup:
         self.ranks = ranks
         self.closing = threading.Event()
         self.processes = []
-        for rank, share in zip(ranks, cpus, strict=True):
-            # Its thread count, set before its torch starts its thread team.
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(share)))}
-            process = subprocess.Popen([sys.executable, "-c", "from hisparse.engine.workers import main; main()"],
-                                       stdin=subprocess.PIPE, env=env)
-            process.stdin.write(pickle.dumps((config, rank, share, os.getpid())))
-            process.stdin.close()
-            self.processes.append(process)
+        try:
+            for rank, share in zip(ranks, cpus, strict=True):
+                # Its thread count, set before its torch starts its thread team.
+                env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(share)))}
+                process = subprocess.Popen([sys.executable, "-c", "from hisparse.engine.workers import main; main()"],
+                                           stdin=subprocess.PIPE, env=env)
+                self.processes.append(process)
+                process.stdin.write(pickle.dumps((config, rank, share)))
+                process.stdin.flush()  # left open: its end tells the rank that this process is gone
+        except BaseException:
+            self.kill()
+            raise
         self.watchdog = threading.Thread(target=self._watch, name="hisparse-rank-watchdog", daemon=True)
         self.watchdog.start()
         atexit.register(self.kill)
@@ -104,12 +111,13 @@ class WorkerGroup:
         """The end of a group that lost a rank: one line, every rank of this machine killed, the process gone."""
         if self.closing.is_set():
             return
-        self.closing.set()
         print(f"hisparse: {reason}; stopping every rank", file=sys.stderr, flush=True)
         self.kill()
+        remove_shared_files()
         os._exit(1)
 
     def kill(self) -> None:
+        self.closing.set()  # what ends now is not a failure to report
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
@@ -118,6 +126,8 @@ class WorkerGroup:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+            if process.stdin is not None and not process.stdin.closed:
+                process.stdin.close()
 
     def close(self) -> None:
         """After the ranks were told to stop: wait for them to leave, kill any that do not."""
@@ -138,16 +148,13 @@ class WorkerGroup:
         return max(abs(code) for code in codes)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel sends this process SIGKILL when its launcher dies, however it dies (and if it died
-    before this call, the process leaves now)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+def _end_with_launcher(fd: int) -> None:
+    """The launcher's end of the stdin pipe closes only when its process ends (or when it has ended this rank):
+    then this rank ends too, whatever it was doing. Read from the file descriptor itself: a thread blocked in
+    the buffered reader would hold its lock when the interpreter shuts down, which aborts the process."""
+    while os.read(fd, 4096):
         pass
-    if os.getppid() != parent:
-        os._exit(1)
+    os._exit(1)
 
 
 def _state(pid: int) -> str:
@@ -160,14 +167,16 @@ def _state(pid: int) -> str:
 
 
 def main() -> None:
-    """A worker rank's process: its config, rank, CPUs and launcher's pid come pickled on stdin."""
-    worker_main(*pickle.loads(sys.stdin.buffer.read()))
+    """A worker rank's process: its config, rank and CPUs come pickled on stdin, which stays open."""
+    config, rank, cpus = pickle.load(sys.stdin.buffer)
+    threading.Thread(target=_end_with_launcher, args=(sys.stdin.fileno(),), daemon=True).start()
+    worker_main(config, rank, cpus)
 
 
-def worker_main(config, rank: int, cpus: list[int], parent: int) -> None:
+def worker_main(config, rank: int, cpus: list[int]) -> None:
     """A worker rank: build this rank's engine (its shard), then follow rank 0's commands until told to stop."""
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    for signum in (signal.SIGINT, signal.SIGTERM):  # sent to the whole process group: the launcher decides
+        signal.signal(signum, signal.SIG_IGN)
     from hisparse.engine.llm_engine import LLMEngine
 
     bind_cpus(cpus)
@@ -181,7 +190,6 @@ def worker_main(config, rank: int, cpus: list[int], parent: int) -> None:
 def run_node(config) -> int:
     """Machine `config.node_rank` (> 0) of a multi-machine engine: its ranks, until rank 0 ends them. Returns the
     exit status."""
-    first = config.node_rank * config.ranks_per_node
-    group = WorkerGroup(config, list(range(first, first + config.ranks_per_node)), cpu_shares(config.ranks_per_node))
+    group = WorkerGroup(config, list(config.node_ranks), cpu_shares(config.ranks_per_node))
     return group.wait()
 

@@ -125,6 +125,13 @@ class DsaConfig:
     def num_layers(self) -> int:
         return self.num_hidden_layers
 
+    def for_rank(self, rank: int, size: int) -> DsaConfig:
+        """`LlamaConfig.for_rank`'s counterpart: a DSA model runs on one rank so far."""
+        if size > 1:
+            raise ValueError(f"{self.architecture} does not run tensor-parallel yet (its DP attention and expert "
+                             "parallelism are planned): serve it with tp_size 1")
+        return self
+
     @property
     def attention_scale(self) -> float:
         return self.softmax_scale

@@ -179,7 +179,7 @@ def _llama_config(cfg: dict) -> LlamaConfig:
 
 def load_hf_llama(folder: Path, keep: Callable | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """keep(name, tensor, config): the part of each tensor to hold (`load_gguf`'s)."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     config = _llama_config(_read_hf_config(folder))
     keep = keep or (lambda name, tensor, config: tensor)
@@ -188,16 +188,20 @@ def load_hf_llama(folder: Path, keep: Callable | None = None) -> tuple[LlamaConf
     if not files:
         raise ValueError(f"'{folder}' holds no .safetensors files")
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            tensor = tensor.float()
-            ours = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
-                    "lm_head.weight": "lm_head.weight"}.get(name)
-            if ours is None and name.startswith("model.layers."):
-                _, _, index, rest = name.split(".", 3)
-                ours = f"layers.{index}.{_HF_LAYER_NAMES[rest]}" if rest in _HF_LAYER_NAMES else None
-            if ours is not None:
-                state[ours] = keep(ours, tensor, config)
+        with safe_open(str(file), "pt") as f:  # one tensor at a time: a rank holds its shards, not the file
+            for name in f.keys():
+                state.update(_hf_llama_entry(name, f.get_tensor(name).float(), config, keep))
     return config, state
+
+
+def _hf_llama_entry(name: str, tensor: torch.Tensor, config: LlamaConfig, keep) -> dict[str, torch.Tensor]:
+    """One Hugging Face tensor in our name (nothing for a tensor we do not use), its part `keep` holds."""
+    ours = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
+            "lm_head.weight": "lm_head.weight"}.get(name)
+    if ours is None and name.startswith("model.layers."):
+        _, _, index, rest = name.split(".", 3)
+        ours = f"layers.{index}.{_HF_LAYER_NAMES[rest]}" if rest in _HF_LAYER_NAMES else None
+    return {} if ours is None else {ours: keep(ours, tensor, config)}
 
 
 def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str | Path | None = None,
@@ -266,8 +270,7 @@ def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.devic
 
 
 def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel) -> nn.Module:
-    if tp.size > 1:
-        raise ValueError(f"{files.architecture} does not run tensor-parallel yet: serve it with tp_size 1")
+    files.config.for_rank(tp.rank, tp.size)  # refuses more than one rank
     return load_dsa_model(files.path, dtype).to(device)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +25,11 @@ blob = bytes(range(256)) * 40_000  # 10 MB pickled: over one slot too
 results = {
     "small": tp.all_reduce(small.clone()),
     "big": tp.all_reduce(big.clone()),
-    "gathered": tp.gather_last_dim(torch.arange(6 * (rank + 2), dtype=torch.float32).view(6, rank + 2) + 100 * rank),
-    "wide": tp.gather_last_dim(torch.full((80, 30_000), float(rank))),
+    "gathered": tp.comm.gather_last_dim(torch.arange(6 * (rank + 2), dtype=torch.float32).view(6, rank + 2)
+                                        + 100 * rank, [r + 2 for r in range(world)]),
+    "wide": tp.gather_last_dim(torch.full((80, 30_000), float(rank)), 30_000 * world),
+    "no rows": tp.gather_last_dim(torch.zeros(0, 5 - (rank > 0)), 5 + 4 * (world - 1)),
+    "bf16": tp.all_reduce(torch.full((7,), 0.5 + rank, dtype=torch.bfloat16)),
     "object": tp.broadcast_object({"from": rank, "blob": blob} if rank == 0 else None),
     "all": tp.all_gather_object(("rank", rank)),
 }
@@ -44,6 +48,7 @@ def run_ranks(tmp_path, world: int, same_machine: bool) -> list[dict]:
                                str(outs[r])]) for r in range(world)]
     for proc in procs:
         assert proc.wait(timeout=120) == 0
+    assert not list(Path("/dev/shm").glob("hisparse-tp-*"))  # unlinked once every rank mapped it
     return [pickle.loads(out.read_bytes()) for out in outs]
 
 
@@ -67,6 +72,9 @@ def test_collectives_match_rank_order_sums_on_every_rank(tmp_path, world, same_m
     assert torch.equal(results[0]["gathered"], expected)
     assert torch.equal(results[0]["wide"], torch.cat([torch.full((80, 30_000), float(r)) for r in range(world)], -1))
     assert all(r["gathered"] is None and r["wide"] is None for r in results[1:])
+    assert results[0]["no rows"].shape == (0, 5 + 4 * (world - 1))  # a step that samples nothing
+    bf16 = sum(torch.full((7,), 0.5 + r, dtype=torch.bfloat16) for r in range(world))
+    assert all(torch.equal(r["bf16"], bf16) for r in results)
     blob = bytes(range(256)) * 40_000
     assert all(r["object"] == {"from": 0, "blob": blob} for r in results)
     assert all(r["all"] == [("rank", k) for k in range(world)] for r in results)

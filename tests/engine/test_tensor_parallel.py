@@ -5,13 +5,17 @@ leaving no process behind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
+import numba
 import pytest
 import torch
 
+from hisparse.engine import model_runner
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.model_runner import StepFailed
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.llm import LLM
 
@@ -41,8 +45,8 @@ def one_rank(llama, tokenizer):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_two_ranks_give_one_ranks_tokens(one_rank, mode):
-    threads = torch.get_num_threads()
+def test_two_ranks_give_one_ranks_tokens(one_rank, mode, monkeypatch):
+    threads, cpus, numba_threads = torch.get_num_threads(), os.sched_getaffinity(0), numba.get_num_threads()
     with LLM(tp_size=2, **BASE, **MODES[mode]) as llm:
         got = [r.token_ids for r in llm.generate(PROMPTS, [GREEDY, GREEDY, SEEDED])]
         engine = llm.engine
@@ -63,10 +67,19 @@ def test_two_ranks_give_one_ranks_tokens(one_rank, mode):
         else:
             assert ranks[0]["host_kv_bytes"] == 2 * ranks[1]["host_kv_bytes"]
             assert stats["swap_in"]["misses"] > 0
+        if mode == "dense":  # rank 0 alone fails to sample: every rank gives the step up, then goes on
+            failing = engine.add_request(PROMPTS[2], GREEDY)
+            with monkeypatch.context() as patch:
+                patch.setattr(model_runner, "sample", lambda logits, requests: 1 / 0)
+                with pytest.raises(StepFailed, match="ZeroDivisionError"):
+                    engine.step()
+            engine.abort(failing.request_id)
+            assert [r.token_ids for r in llm.generate(PROMPTS, [GREEDY, GREEDY, SEEDED])] == one_rank[mode]
         assert engine.flush_cache()
         usage = engine.rank_usage()
         assert all(v == 0 for u in usage for k, v in u.items() if k.endswith("_slots_used")), usage
-    assert torch.get_num_threads() == threads  # rank 0's process gets its threads back
+    # rank 0's thread gets its CPUs and threads back
+    assert (torch.get_num_threads(), os.sched_getaffinity(0), numba.get_num_threads()) == (threads, cpus, numba_threads)
     assert not worker_processes()
 
 
