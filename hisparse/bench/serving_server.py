@@ -8,7 +8,6 @@ reported with its own last lines instead of a bare timeout.
 from __future__ import annotations
 
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from hisparse.distributed.tensor_parallel import free_loopback_port
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -7,8 +7,8 @@ Each engine runs in a process of its own (a rank binds its process to its share 
 once; each repeat sends every engine fresh prompts (never seen, so no prefix is reused), the engines taking turns
 batch by batch so that both see the same machine load; figures are medians of the repeats. Both engines get the
 whole machine: one rank with all its cores as threads, two ranks with half each. It also prints what one
-shared-memory all-reduce of a decode step's hidden state costs, the price a per-layer collective (a broadcast of
-the indexer's selection instead of computing it on every rank) would add.
+all-reduce of a decode step's hidden state costs (shared memory, and gloo as between machines): the price of
+a per-layer collective such as a broadcast of the indexer's selection instead of computing it on every rank.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def fresh_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[i
 ALL_REDUCE_TIMING = """
 import sys, time, torch
 from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group
-rank, addr, rows, width, calls = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:])
+rank, addr, rows, width, calls, shared = int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:])
 tp = TensorParallel(rank, 2)
-join_group(tp, addr, same_machine=True)
+join_group(tp, addr, same_machine=bool(shared))
 x = torch.randn(rows, width)
 for _ in range(50):
     tp.all_reduce(x.clone())
@@ -66,15 +66,16 @@ leave_group()
 """
 
 
-def all_reduce_us(rows: int, width: int, calls: int = 1000) -> float:
-    """Microseconds per shared-memory all-reduce of [rows, width] float32 between two rank processes, one core
-    each (the engine's own communicator, timed on rank 0)."""
+def all_reduce_us(rows: int, width: int, calls: int = 1000, shared: bool = True) -> float:
+    """Microseconds per all-reduce of [rows, width] float32 between two rank processes, one core each, through
+    the engine's own communicator (shared memory, or gloo as between machines), timed on rank 0."""
     addr = free_init_addr()
     cpus = cpu_shares(2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(rows), str(width), str(calls), str(int(shared))]
     ranks = [subprocess.Popen(["taskset", "-c", ",".join(map(str, cpus[r])) if cpus[r] else "0-1024",
-                               sys.executable, "-c", ALL_REDUCE_TIMING, str(r), addr, str(rows), str(width),
-                               str(calls)], stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
+                               sys.executable, "-c", ALL_REDUCE_TIMING, str(r), addr, *args],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
     out = [rank.communicate(timeout=120)[0] for rank in ranks]
     return float(out[0])
 
@@ -147,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {batch} | {step1:.1f} | {step2:.1f} | {step2 / step1:.2f}x | {tok1:.1f} | {tok2:.1f} | "
               f"{tok2 / tok1:.2f}x |")
     for batch in args.batch_sizes:
-        us = all_reduce_us(batch, hidden)
-        print(f"batch {batch}: one shared-memory all-reduce of [{batch}, {hidden}] {us:.0f} us; the two per layer "
-              f"cost {2 * layers * us / 1000:.2f} ms a step, a third (the selection broadcast) would add "
-              f"{layers * us / 1000:.2f} ms")
+        us, gloo = all_reduce_us(batch, hidden), all_reduce_us(batch, hidden, calls=200, shared=False)
+        print(f"batch {batch}: one shared-memory all-reduce of [{batch}, {hidden}] {us:.0f} us (gloo over loopback: "
+              f"{gloo:.0f} us); the two per layer cost {2 * layers * us / 1000:.2f} ms a step, a third (the "
+              f"selection broadcast) would add {layers * us / 1000:.2f} ms")
     return 0
 
 

@@ -2,10 +2,11 @@
 machine, and through torch.distributed (gloo) between machines.
 
 A decode step all-reduces twice per layer (60 times for the default model), so the collective's latency is
-the step's: gloo over loopback took 1.1-1.9 ms per all-reduce of a [1..16, 576] tensor on our 2 cores, a
-shared-memory one 15-36 us (2 processes, one core each, 1000 calls). That is why vLLM's and SGLang's CPU
-backends all-reduce through shared memory within a node, as `SharedMemoryCommunicator` does; gloo stays for
-the rendezvous and for ranks on different machines (`GlooCommunicator`).
+the step's: gloo over loopback takes 1.2-1.5 ms per all-reduce of a [1..16, 576] tensor on our 2 cores, a
+shared-memory one 25-29 us (2 processes, one core each; `python -m hisparse.bench.tensor_parallel` prints
+both). That is why vLLM's and SGLang's CPU backends all-reduce through shared memory within a node, as
+`SharedMemoryCommunicator` does; gloo stays for the rendezvous and for ranks on different machines
+(`GlooCommunicator`).
 
 Every rank ends an all-reduce with the same bits (the shared-memory one sums in rank order on every rank; gloo's
 ring reduces each piece once and hands it out), so the indexer that runs on each rank selects the same top-k

@@ -8,6 +8,7 @@ import os
 import platform
 import secrets
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +19,13 @@ from hisparse.distributed.communicator import GlooCommunicator, SharedMemoryComm
 
 log = logging.getLogger("hisparse.distributed")
 _shared_files: set[str] = set()  # created by this process and not yet unlinked
+
+
+def free_loopback_port() -> int:
+    """A 127.0.0.1 port that was free a moment ago (where one machine's ranks meet; the benchmarks' servers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def split_sizes(total: int, parts: int) -> list[int]:

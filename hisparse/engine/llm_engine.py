@@ -89,8 +89,9 @@ class LLMEngine:
             raise
         self.rank_pools = [{k: v for k, v in r.items() if k != "config"} for r in reports if isinstance(r, dict)]
         failed = [(r, e) for r, e in enumerate(reports) if isinstance(e, str)]
-        failed += [(r, f"its config differs from rank 0's: {e['config']} against {reports[0]['config']}")
-                   for r, e in enumerate(reports) if not failed and e["config"] != reports[0]["config"]]
+        if not failed:
+            failed = [(r, f"its config differs from rank 0's: {e['config']} against {reports[0]['config']}")
+                      for r, e in enumerate(reports) if e["config"] != reports[0]["config"]]
         if failed:
             self._stop_ranks()
             if rank == 0:
@@ -142,7 +143,7 @@ class LLMEngine:
         self.max_model_len = mc.max_position_embeddings
         kind = self.config.kv_kind(model_dtype)
         # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
-        layout = mc.for_rank(self.tp.rank, self.tp.size).row_layout(kind) if self.tp.size > 1 else mc.row_layout(kind)
+        layout = mc.for_rank(self.tp.rank, self.tp.size).row_layout(kind)
         self._layouts = layout, (mc.for_rank(0, self.tp.size).row_layout(kind) if self.tp.size > 1 else None)
         sparse = self._sparse_attention(indexer, mc.num_layers)
         self._sparse = sparse
@@ -478,7 +479,7 @@ class LLMEngine:
 
     def _stop_ranks(self) -> None:
         if self.tp.rank == 0:
-            if self.workers is not None:
+            if self.workers is not None:  # after a failed start the ranks exit 1: not a death to report
                 self.workers.closing.set()
             self.tp.broadcast_object(("stop", []))
             if self.workers is not None:

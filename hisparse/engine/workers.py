@@ -17,13 +17,12 @@ import atexit
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-from hisparse.distributed.tensor_parallel import remove_shared_files
+from hisparse.distributed.tensor_parallel import free_loopback_port, remove_shared_files
 
 WATCH_SECONDS = 0.5  # how often the watchdog looks at the ranks
 STOPPED_AFTER_SECONDS = 1.0  # a rank stopped (SIGSTOP, state T) this long is hung
@@ -32,9 +31,7 @@ CLOSE_GRACE_SECONDS = 10.0  # how long `close` waits for the ranks to leave befo
 
 def free_init_addr() -> str:
     """127.0.0.1:PORT with a port that was free a moment ago: where one machine's ranks meet."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_loopback_port()}"
 
 
 def cpu_shares(local_ranks: int) -> list[list[int]]:

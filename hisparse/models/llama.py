@@ -52,7 +52,7 @@ def shard_weight(name: str, weight: torch.Tensor, config: LlamaConfig, tp: Tenso
     columns of the output and down projections; norms whole."""
     if tp.size == 1:
         return weight
-    kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name.split(".")[0]
+    kind = name.split(".")[-2]  # "layers.3.attn.q_proj.weight" -> "q_proj", "lm_head.weight" -> "lm_head"
     group, head_dim = config.num_heads // config.num_kv_heads, config.head_dim
     kv_start, kv_heads = tp.share(config.num_kv_heads)
     mlp_start, mlp = tp.share(config.intermediate_size)
