@@ -8,9 +8,11 @@ Both servers stream OpenAI completions of held-out Python docs, sent as token id
 tokens out, at four workloads: c1 (5 requests one at a time, 100-token prompts), c8 and c32 (32 requests, 8 or
 32 at once) and long (8 prompts of 1500 tokens at once). llama-server (`make llama-server`) gets 2 threads
 (this machine's cores, all our server uses), 32 slots of room for the longest request and continuous batching;
-its prompt cache is off (`--no-cache-prompt`, `cache_prompt: false`). The servers take turns round by round (a round is
-one workload on one server, then on the other; which goes first alternates), and no prompt is sent twice,
-so no prefix cache helps either side. Ratios are ours / llama.cpp's within each round, then their median.
+its prompt cache is off (`--no-cache-prompt`, `cache_prompt: false`). The servers take turns round by round (a
+round is one workload on one server, then on the other; which goes first alternates), and no prompt is sent
+twice, so no prefix cache helps either side. Ratios are ours / llama.cpp's within each round, then their median.
+Both servers slow down many times over beside another busy process: measure on a quiet machine (each turn's
+load average is in results.json).
 
 `--busy` measures the issue's other target instead: c1 on our server alone, quiet and then beside one
 competing process (a torch matmul loop on `--busy-threads` threads), the two taking turns.
