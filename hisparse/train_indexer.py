@@ -62,30 +62,18 @@ from hisparse.layers.indexer import (
 from hisparse.layers.rotary import apply_rope_half
 
 
-class _CaptureInput(torch.nn.Module):
-    """Stands in for a layer's indexer during capture: keeps x, returns no index tensors."""
-
-    def __init__(self, sink: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.sink = sink
-
-    def forward(self, x, cos, sin):
-        self.sink.append(x.detach().clone())
-        return None, None, None
-
-
 @torch.inference_mode()
 def capture_attention_inputs(model, ids: torch.Tensor) -> torch.Tensor:
-    """One frozen forward over `ids` (positions 0..T-1) -> every layer's attention input [L, T, hidden]."""
+    """One frozen forward over `ids` (positions 0..T-1) -> every layer's attention input [L, T, hidden] (what its
+    input norm hands the attention, and an indexer reads)."""
     sink: list[torch.Tensor] = []
-    saved = [layer.attn.indexer for layer in model.layers]
+    hooks = [layer.input_norm.register_forward_hook(lambda module, args, out: sink.append(out.detach().clone()))
+             for layer in model.layers]
     try:
-        for layer in model.layers:
-            layer.attn.indexer = _CaptureInput(sink)
         model(ids, torch.arange(ids.shape[0]), SingleSequenceCache(len(model.layers), model.attention_scale))
     finally:
-        for layer, indexer in zip(model.layers, saved, strict=True):
-            layer.attn.indexer = indexer
+        for hook in hooks:
+            hook.remove()
     return torch.stack(sink)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hisparse.layers.linear import QUANTIZATIONS
 from hisparse.memory.host_memory import GIB
 
 DTYPES = ("auto", "float32", "bfloat16")  # what `dtype` accepts (and its CLI flag)
@@ -25,6 +26,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the cache's rows: auto (the model's dtype), float32, bfloat16 or fp8_e4m3
     dtype: str = "auto"  # the model's weights and activations: auto, float32 or bfloat16 (see model_dtype)
     device: str = "cpu"
+    quantization: str = "none"  # weight-only: none, int8 (per channel) or int4 (groups of 32, GGUF's Q4_1)
     enable_prefix_caching: bool = True  # finished requests leave their KV in a radix tree for later prompts
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
     sparse_attention: bool = True  # decode attends to the indexer's top_k positions; False = dense decode
@@ -86,11 +88,14 @@ class EngineConfig:
         if self.device_kv_budget is not None:
             positive_int("device_kv_budget")
         for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("index_key_format", INDEX_KEY_FORMATS)):
+                              ("index_key_format", INDEX_KEY_FORMATS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs PyTorch's CPU weight-only kernels: use it with "
+                             "device cpu")
 
     def _check_parallel(self) -> None:
         if not isinstance(self.node_rank, int) or isinstance(self.node_rank, bool) or not \

@@ -140,6 +140,7 @@ class LLMEngine:
                 raise ValueError(f"the model's weights are on {where}, the engine's device is {self.config.device}")
         else:  # what loading will build (the default model gets its shipped indexers)
             mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
+            files.check_quantization(self.config.quantization)
         self.max_model_len = mc.max_position_embeddings
         kind = self.config.kv_kind(model_dtype)
         # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
@@ -163,7 +164,8 @@ class LLMEngine:
 
     def _load(self, model, tokenizer) -> None:
         files = self._files
-        self.model = model if model is not None else files.load(self.config.model_dtype, self.config.device, self.tp)
+        self.model = model if model is not None else files.load(self.config.model_dtype, self.config.device, self.tp,
+                                                                 self.config.quantization)
         if self.cache is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.cache = self._new_cache(self.config.resolved_kv_budget(weight_bytes))

@@ -49,5 +49,8 @@ class LightningIndexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """w [T, H] with both the 1/sqrt(H) weight scale and the 1/sqrt(d) score scale folded in."""
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
-        return w * (self.n_heads**-0.5) * (self.head_dim**-0.5)
+        return self.finish_weights(self.weights_proj(x.to(self.weights_proj.weight.dtype)))
+
+    def finish_weights(self, projected: torch.Tensor) -> torch.Tensor:
+        """`head_weights` from the projection weights_proj(x), for a model that computes it in a matmul of its own."""
+        return projected.float() * (self.n_heads**-0.5) * (self.head_dim**-0.5)

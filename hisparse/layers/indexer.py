@@ -29,6 +29,7 @@ import torch
 from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.layers.dsa_indexer import LightningIndexer
+from hisparse.layers.rotary import HalfSplitRotation
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "smollm2_indexer.safetensors"
 
@@ -85,6 +86,24 @@ class LlamaIndexer(LightningIndexer):
         x, cos, sin = x.float(), cos.float(), sin.float()
         cos, sin = cos[..., ::self.rope_stride], sin[..., ::self.rope_stride]
         return self.queries(x, cos, sin), self.keys(x, cos, sin), self.head_weights(x)
+
+    def projection_weight(self) -> torch.Tensor:
+        """The three projections' weights as one [H * d + d + H, hidden]: all read x, so inference runs them as
+        one matmul (`from_projection`)."""
+        return torch.cat([self.wq_b.weight, self.wk.weight, self.weights_proj.weight]).detach()
+
+    def rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> HalfSplitRotation:
+        """The rotation `from_projection` applies, from the model's cos/sin: built once per batch."""
+        return HalfSplitRotation.of(cos[..., ::self.rope_stride], sin[..., ::self.rope_stride], torch.float32,
+                                    self.head_dim)
+
+    def from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation):
+        """`forward`'s q, k, w from x @ projection_weight().T [N, H * d + d + H] (any float dtype); the query
+        heads and the key rotate together."""
+        n, heads, dim = projected.shape[0], self.n_heads, self.head_dim
+        q, k, w = projected.float().split([heads * dim, dim, heads], dim=-1)
+        qk = rotation(torch.cat([q.view(n, heads, dim), self.k_norm(k).unsqueeze(1)], dim=1))
+        return qk[:, :heads], qk[:, heads], self.finish_weights(w)
 
 
 def attach_indexers(model, config: IndexerConfig) -> list[LlamaIndexer]:

@@ -8,6 +8,7 @@ absolute position, so a token's rotation never depends on where its K/V row is s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -87,3 +88,31 @@ def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_positions:
     interpolation = extrapolation / factor
     keep = 1 - ramp
     return interpolation * (1 - keep) + extrapolation * keep
+
+
+@dataclass(frozen=True)
+class HalfSplitRotation:
+    """One batch's half-split RoPE, built once and applied by every layer as one multiply-add (the same numbers as
+    `apply_rope_half`, in a third of the ops: a decode step at small batch is bound by their count).
+
+    x * cos + swap(x) * sin, with cos = [c, c, 1...] and sin = [-s, s, 0...] over the first `2 * half` dims
+    (the rest pass through unchanged) and swap exchanging those dims' two halves. cos, sin: [N, 1, head_dim]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    half: int
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_dim: int | None = None):
+        """cos, sin [N, half] (a `RotaryEmbedding.cos_sin`); head_dim: the heads' dims, when more are rotated."""
+        half = cos.shape[-1]
+        c, s = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
+        rest = (head_dim or 2 * half) - 2 * half
+        keep, drop = c.new_ones(*c.shape[:-1], rest), c.new_zeros(*c.shape[:-1], rest)
+        return cls(torch.cat([c, c, keep], -1), torch.cat([-s, s, drop], -1), half)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H, head_dim] -> rotated, the same shape and dtype."""
+        h = self.half
+        swapped = torch.cat([x[..., h:2 * h], x[..., :h], x[..., 2 * h:]], dim=-1)
+        return x * self.cos + swapped * self.sin

@@ -2,15 +2,10 @@
 
 The forward pass works on a flat batch of N tokens from any mix of sequences: the engine packs prefill
 chunks and decode tokens together and the attention backend sorts out which token sees which.
-For inference (`prepare_for_inference`) Q/K/V and gate/up projections are fused into single matmuls and
-every weight is used as `x @ w` with w [in, out]. In float32 w is stored transposed, [in, out] row-major:
-on a CPU, decode is bound by reading weights, and BLAS runs that layout up to twice as fast as
-`F.linear`'s `x @ W.T` at batch 8-32 (single thread, this machine: gate/up 2.0 -> 0.9 ms at batch 8,
-lm_head 55 -> 41 ms). In bfloat16 w is a transposed view of an [out, in] row-major tensor, the layout
-oneDNN's bfloat16 kernels want (2 cores, batch 16: gate/up 425 us in float32 [in, out], 185 us in
-bfloat16 [out, in], 191 us in bfloat16 [in, out] at batch 4 but 2x slower at batch 16; the LM head
-11.2 vs 2.4 ms). The nn.Linear parameters stay views of the same memory, so training and tests still see
-ordinary modules.
+For inference (`prepare_for_inference`) Q/K/V, gate/up and a lightning indexer's three projections are each
+fused into one matmul, in the weight layout `layers.linear.InferenceWeight` chooses (dense, or weight-only
+int8 / int4 with `quantization`). The nn.Linear parameters stay views of the same memory, so training and
+tests still see ordinary modules.
 
 Tensor parallel (`tp`, Megatron's split): each rank holds the Q heads of its share of the KV heads, its share of
 the MLP's columns and of the vocabulary; one all-reduce follows the output projection and one the down
@@ -27,23 +22,10 @@ from torch import nn
 from hisparse.attention.backend import AttentionBackend
 from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.layers.linear import InferenceWeight
 from hisparse.layers.norm import RMSNorm
-from hisparse.layers.rotary import RotaryEmbedding, apply_rope_half
+from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
 from hisparse.models.config import LlamaConfig
-
-
-def transposed_weight(*linears: nn.Linear) -> torch.Tensor:
-    """The linears' weights concatenated on the output axis, as an [in, out] tensor (stored [in, out] in
-    float32, [out, in] in bfloat16: see the module docstring); each linear's weight becomes a view into it,
-    so the model holds one copy."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])
-    fused = fused.t() if fused.dtype == torch.bfloat16 else fused.t().contiguous()
-    start = 0
-    for lin in linears:
-        width = lin.weight.shape[0]
-        lin.weight.data = fused[:, start:start + width].t()
-        start += width
-    return fused
 
 
 def shard_weight(name: str, weight: torch.Tensor, config: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
@@ -82,34 +64,41 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.qkv_t: torch.Tensor | None = None  # [hidden, q + 2 kv], set by prepare_for_inference
-        self.o_t: torch.Tensor | None = None
+        self.qkv: InferenceWeight | None = None  # set by prepare_for_inference
+        self.o: InferenceWeight | None = None
         self.indexer: nn.Module | None = None  # a lightning indexer, when the model is made sparse
+        self.index_proj: InferenceWeight | None = None  # its projections, fused (see prepare_for_inference)
+        self._prepared_indexer: nn.Module | None = None
 
-    def prepare_for_inference(self) -> None:
-        self.qkv_t = transposed_weight(self.q_proj, self.k_proj, self.v_proj)
-        self.o_t = transposed_weight(self.o_proj)
+    def prepare_for_inference(self, quantization: str = "none") -> None:
+        """The indexer's projections are fused in the model's dtype, and quantized to int8 at most: they decide
+        what attention reads. They are a copy: prepare again after changing or replacing the indexer."""
+        self.qkv = InferenceWeight.fused(self.q_proj, self.k_proj, self.v_proj, quantization=quantization)
+        self.o = InferenceWeight.fused(self.o_proj, quantization=quantization)
+        self._prepared_indexer = self.indexer
+        if self.indexer is not None:
+            self.index_proj = InferenceWeight(self.indexer.projection_weight().to(self.q_proj.weight.dtype),
+                                              "int8" if quantization == "int4" else quantization)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: HalfSplitRotation, index_rope: HalfSplitRotation | None,
                 backend: AttentionBackend) -> torch.Tensor:
+        """rope, index_rope: the batch's rotations of the heads and of the indexer (`LlamaForCausalLM.forward`)."""
         n = x.shape[0]
-        if self.qkv_t is not None:
-            qkv = x @ self.qkv_t
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = self.qkv(x) if self.qkv is not None else torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         # Q and K heads rotate together: one RoPE call instead of two.
-        qk = apply_rope_half(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim),
-                             cos, sin)
+        qk = rope(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         index = {}
         if self.indexer is not None:
-            index_q, index_k, index_w = self.indexer(x, cos, sin)
+            projected = (self.index_proj(x) if self.indexer is self._prepared_indexer
+                         else F.linear(x.float(), self.indexer.projection_weight()))
+            index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
             index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
-        return self.tp.all_reduce(out @ self.o_t if self.o_t is not None else self.o_proj(out))
+        return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
@@ -119,18 +108,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up_t: torch.Tensor | None = None  # [hidden, 2 intermediate], set by prepare_for_inference
-        self.down_t: torch.Tensor | None = None
+        self.gate_up: InferenceWeight | None = None  # set by prepare_for_inference
+        self.down: InferenceWeight | None = None
 
-    def prepare_for_inference(self) -> None:
-        self.gate_up_t = transposed_weight(self.gate_proj, self.up_proj)
-        self.down_t = transposed_weight(self.down_proj)
+    def prepare_for_inference(self, quantization: str = "none") -> None:
+        self.gate_up = InferenceWeight.fused(self.gate_proj, self.up_proj, quantization=quantization)
+        self.down = InferenceWeight.fused(self.down_proj, quantization=quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_t is None:
+        if self.gate_up is None:
             return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
-        return self.tp.all_reduce((F.silu(gate) * up) @ self.down_t)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.tp.all_reduce(self.down(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -141,8 +130,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, x, cos, sin, backend):
-        x = x + self.attn(self.input_norm(x), cos, sin, backend)
+    def forward(self, x, rope, index_rope, backend):
+        x = x + self.attn(self.input_norm(x), rope, index_rope, backend)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -163,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.lm_head_t: torch.Tensor | None = None
+        self.lm_head_weight: InferenceWeight | None = None
+        self.quantization = "none"
 
     @property
     def attention_scale(self) -> float:
@@ -178,23 +168,26 @@ class LlamaForCausalLM(nn.Module):
         config = getattr(self, "indexer_config", None)
         return None if config is None else config.spec(key_kind)
 
-    def prepare_for_inference(self) -> None:
-        """Fused, transposed weights (see the module docstring). In float32 the LM head gets its own
-        transposed copy: when tied, the embedding keeps its row-major table for token lookups (in bfloat16
-        that table already is the layout)."""
+    def prepare_for_inference(self, quantization: str = "none") -> None:
+        """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head quantizes
+        to int8 at most: every token's logit is read from it. When tied, the embedding keeps its own table for
+        token lookups (in float32 or quantized the head then has its own copy)."""
         for layer in self.layers:
-            layer.attn.prepare_for_inference()
-            layer.mlp.prepare_for_inference()
-        head = self.lm_head.weight.detach()
-        self.lm_head_t = head.t() if head.dtype == torch.bfloat16 else head.t().contiguous()
+            layer.attn.prepare_for_inference(quantization)
+            layer.mlp.prepare_for_inference(quantization)
+        self.lm_head_weight = InferenceWeight(self.lm_head.weight, "int8" if quantization == "int4" else quantization)
+        self.quantization = quantization
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        rope = HalfSplitRotation.of(cos, sin, self.dtype)
+        indexer = next((layer.attn.indexer for layer in self.layers if layer.attn.indexer is not None), None)
+        index_rope = None if indexer is None else indexer.rotation(cos, sin)  # every layer's indexer is alike
         for layer in self.layers:
-            x = layer(x, cos, sin, backend)
+            x = layer(x, rope, index_rope, backend)
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -208,4 +201,4 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.lm_head_t if self.lm_head_t is not None else self.lm_head(hidden)
+        return self.lm_head_weight(hidden) if self.lm_head_weight is not None else self.lm_head(hidden)

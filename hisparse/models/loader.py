@@ -68,10 +68,18 @@ class ModelFiles:
         self._tokenizer = None
 
     def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             tp: TensorParallel | None = None) -> nn.Module:
-        """The model in eval mode, its weights in `dtype` on `device` (the shard of rank `tp`), as its
-        architecture's loader builds it."""
-        return ARCHITECTURES[self.architecture].load(self, dtype, device, tp or TensorParallel())
+             tp: TensorParallel | None = None, quantization: str = "none") -> nn.Module:
+        """The model in eval mode, its weights in `dtype` on `device` (the shard of rank `tp`), quantized as
+        asked, as its architecture's loader builds it."""
+        self.check_quantization(quantization)
+        return ARCHITECTURES[self.architecture].load(self, dtype, device, tp or TensorParallel(), quantization)
+
+    def check_quantization(self, quantization: str) -> None:
+        """ValueError unless this architecture's loader applies `quantization`: said before any weight loads."""
+        allowed = ARCHITECTURES[self.architecture].quantizations
+        if quantization not in allowed:
+            raise ValueError(f"quantization {quantization!r} is not available for {self.architecture} (it takes "
+                             f"{', '.join(allowed)}); DSA checkpoints carry their own FP8 weights")
 
     def indexer_spec(self, key_kind: str = "auto") -> IndexerSpec | None:
         """The model's lightning indexers as the engine will run them (None: a dense model), from the files'
@@ -206,7 +214,7 @@ def _hf_llama_entry(name: str, tensor: torch.Tensor, config: LlamaConfig, keep) 
 
 def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str | Path | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               tp: TensorParallel | None = None, quantization: str = "none") -> LlamaForCausalLM:
     """Load weights into a model of `dtype` (float32 or bfloat16) in eval mode, projections fused for
     inference. The lightning indexers stay float32 whatever the model's dtype: they are small, and their
     scores decide which tokens attention reads.
@@ -216,6 +224,7 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
     model (which makes it the sparse-attention model); True requires them; False loads none; a path
     loads indexer weights from that file.
     tp: the tensor-parallel rank whose shard to load (`llama.shard_weight`); the indexers are whole on every rank.
+    quantization: "none", "int8" or "int4": the weight-only quantization of the linear layers (`layers.linear`).
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"model dtype must be float32 or bfloat16, got {dtype}")
@@ -238,7 +247,6 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
         raise ValueError(f"checkpoint '{path}' lacks weights: {missing[:5]}")
     net.eval().requires_grad_(False)
     net.to(dtype).to(device)  # before the fused weights are made: they are views of these
-    net.prepare_for_inference()
     if indexer is not False:
         from hisparse.layers.indexer import SHIPPED_WEIGHTS, load_indexer_weights
 
@@ -254,6 +262,7 @@ def load_llama(model: str | Path | ModelFiles | None = None, indexer: bool | str
         for layer in net.layers:
             if layer.attn.indexer is not None:
                 layer.attn.indexer.to(device)
+    net.prepare_for_inference(quantization)  # after the indexers: their projections are fused too
     return net
 
 
@@ -262,20 +271,23 @@ class Architecture:
     """One registered architecture: its config from config.json, its model from the opened files."""
 
     read_config: Callable[[dict], LlamaConfig | DsaConfig]
-    load: Callable[[ModelFiles, torch.dtype, str | torch.device, TensorParallel], nn.Module]
+    load: Callable[[ModelFiles, torch.dtype, str | torch.device, TensorParallel, str], nn.Module]
+    quantizations: tuple[str, ...] = ("none",)  # the weight-only quantizations its loader can apply
 
 
-def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel) -> nn.Module:
-    return load_llama(files, dtype=dtype, device=device, tp=tp)
+def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel,
+                quantization: str) -> nn.Module:
+    return load_llama(files, dtype=dtype, device=device, tp=tp, quantization=quantization)
 
 
-def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel) -> nn.Module:
+def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel,
+              quantization: str) -> nn.Module:
     files.config.for_rank(tp.rank, tp.size)  # refuses more than one rank
     return load_dsa_model(files.path, dtype).to(device)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(_llama_config, _load_llama),
+    "LlamaForCausalLM": Architecture(_llama_config, _load_llama, ("none", "int8", "int4")),
     "DeepseekV32ForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
     "GlmMoeDsaForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
 }

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hisparse.cli_args import OneLineParser, float_in, positive_int, size_flag
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from hisparse.layers.linear import QUANTIZATIONS
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake",)
@@ -39,6 +40,7 @@ class ServerArgs:
     swap_in_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
     device: str = "cpu"
     log_level: str = "info"
     skip_server_warmup: bool = False
@@ -62,7 +64,8 @@ class ServerArgs:
         return EngineConfig(model=self.model_path, device_kv_budget=self.device_kv_budget,
                             max_running_requests=self.max_running_requests,
                             chunked_prefill_size=self.chunked_prefill_size, kv_cache_dtype=self.kv_cache_dtype,
-                            dtype=self.dtype, device=self.device, sparse_attention=not self.disable_sparse_attention,
+                            dtype=self.dtype, quantization=self.quantization, device=self.device,
+                            sparse_attention=not self.disable_sparse_attention,
                             top_k=self.top_k,
                             enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
                             swap_in_backend=self.swap_in_backend,
@@ -131,7 +134,11 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                     help="the cache's rows (auto: the model's dtype); fp8_e4m3 is the DSA models' 656-byte latent")
     ap.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                     help="the model's weights and activations (auto: bfloat16 where the device multiplies in it "
-                         "natively, else float32); the indexer stays float32")
+                         "natively, else float32)")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
+                    help="weight-only quantization of the linear layers, used below a batch size where it is faster "
+                         "(a dense copy serves larger batches): int8 per channel, or int4 in groups of 32 (the "
+                         "default model's own Q4_1 weights); the LM head is int8 at most. Llama models on the CPU")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
     ap.add_argument("--api-key", default=d.api_key,
@@ -211,6 +218,7 @@ def check_port_free(host: str, port: int) -> None:
 _FLAGS = {"model": "--model-path", "device_kv_budget": "--device-kv-budget", "top_k": "--top-k",
           "max_running_requests": "--max-running-requests", "chunked_prefill_size": "--chunked-prefill-size",
           "kv_cache_dtype": "--kv-cache-dtype", "dtype": "--dtype", "device": "--device",
+          "quantization": "--quantization",
           "enable_hisparse": "--enable-hisparse", "hisparse_config": "--hisparse-config",
           "swap_in_backend": "--swap-in-backend", "tp_size": "--tp-size", "dp_size": "--dp-size",
           "ep_size": "--ep-size", "nnodes": "--nnodes", "node_rank": "--node-rank",

@@ -55,6 +55,6 @@ def test_the_engine_opens_the_model_file_once_and_loads_it_in_its_dtype(monkeypa
     engine = llm_engine.LLMEngine(EngineConfig(dtype="bfloat16", device_kv_budget=64 << 20))
     assert len(opened) == 1
     assert engine.tokenizer.decode(engine.tokenizer.encode("The capital of France")) == "The capital of France"
-    assert engine.model.layers[0].mlp.gate_up_t.dtype == torch.bfloat16
+    assert engine.model.layers[0].mlp.gate_up.t.dtype == torch.bfloat16
     assert engine.model.layers[0].attn.indexer.wk.weight.dtype == torch.float32
     assert engine.cache.kv.dtype == torch.bfloat16  # kv_cache_dtype "auto": the model's

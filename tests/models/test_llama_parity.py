@@ -42,19 +42,19 @@ def test_permutation_matters(llama, hf_model):
 
     ids = PROMPTS[1]
     layer = llama.layers[0].attn
-    saved = layer.qkv_t
+    saved = layer.qkv.t
     q = layer.q_proj.weight.numpy()
     # Re-apply the permutation (its inverse is the same reshape read the other way round).
     heads, half = llama.config.num_heads, llama.config.head_dim // 2
     permuted = q.reshape(heads, 2, half, -1).swapaxes(1, 2).reshape(q.shape)
     assert torch.equal(torch.from_numpy(unpermute_rope_rows(permuted, heads)), layer.q_proj.weight)
-    layer.qkv_t = torch.cat([torch.from_numpy(permuted).t(), saved[:, q.shape[0]:]], 1)
+    layer.qkv.t = torch.cat([torch.from_numpy(permuted).t(), saved[:, q.shape[0]:]], 1)
     try:
         with torch.no_grad():
             theirs = hf_model(torch.tensor([ids])).logits[0]
         assert relative_error(our_logits(llama, ids), theirs) > 1e-2
     finally:
-        layer.qkv_t = saved
+        layer.qkv.t = saved
 
 
 def test_greedy_64_tokens_match_transformers(llama, hf_model):

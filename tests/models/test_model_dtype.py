@@ -37,14 +37,13 @@ def test_bfloat16_model_tracks_the_float32_model(llama, llama_bf16, text_ids):
 def test_weights_are_laid_out_for_their_dtype(llama, llama_bf16):
     # float32: [in, out] row-major for BLAS; bfloat16: a view of [out, in] row-major for oneDNN.
     for attn in (llama.layers[0].attn, llama_bf16.layers[0].attn):
-        assert attn.qkv_t.shape == (llama.config.hidden_size,
-                                    attn.q_proj.out_features + 2 * attn.k_proj.out_features)
-    assert llama.layers[3].mlp.gate_up_t.is_contiguous() and llama.lm_head_t.is_contiguous()
-    assert llama_bf16.layers[3].mlp.gate_up_t.t().is_contiguous() and llama_bf16.lm_head_t.t().is_contiguous()
-    assert llama_bf16.layers[3].mlp.gate_up_t.dtype == torch.bfloat16
+        assert attn.qkv.t.shape == (llama.config.hidden_size, attn.q_proj.out_features + 2 * attn.k_proj.out_features)
+    assert llama.layers[3].mlp.gate_up.t.is_contiguous() and llama.lm_head_weight.t.is_contiguous()
+    assert llama_bf16.layers[3].mlp.gate_up.t.t().is_contiguous() and llama_bf16.lm_head_weight.t.t().is_contiguous()
+    assert llama_bf16.layers[3].mlp.gate_up.t.dtype == torch.bfloat16
     # the Linear modules still see their own weights, inside the fused copy
     assert torch.equal(llama_bf16.layers[3].mlp.up_proj.weight.t(),
-                       llama_bf16.layers[3].mlp.gate_up_t[:, llama_bf16.config.intermediate_size:])
+                       llama_bf16.layers[3].mlp.gate_up.t[:, llama_bf16.config.intermediate_size:])
 
 
 def test_the_indexer_stays_float32(llama_bf16):
@@ -54,6 +53,19 @@ def test_the_indexer_stays_float32(llama_bf16):
     cos, sin = llama_bf16.rotary.cos_sin(torch.arange(3))
     q, k, w = indexer(x, cos, sin)
     assert q.dtype == k.dtype == w.dtype == torch.float32
+
+
+def test_the_fused_indexer_projection_gives_the_indexers_outputs(llama, llama_bf16):
+    """Inference runs the three projections as one matmul in the model's dtype: exact in float32, within
+    bfloat16's rounding of the projections in bfloat16 (the shipped weights are bfloat16 numbers)."""
+    for model, tolerance in ((llama, 1e-5), (llama_bf16, 2e-2)):
+        attn = model.layers[5].attn
+        x = torch.randn(7, model.config.hidden_size).to(model.dtype)
+        cos, sin = model.rotary.cos_sin(torch.arange(7))
+        fused = attn.indexer.from_projection(attn.index_proj(x), attn.indexer.rotation(cos, sin))
+        for got, want in zip(fused, attn.indexer(x, cos, sin), strict=True):
+            assert got.dtype == torch.float32
+            assert ((got - want).norm() / want.norm()).item() < tolerance
 
 
 def test_other_dtypes_are_refused(model_path, forbid):

@@ -1,0 +1,99 @@
+"""Matrix multiplies whose weights are stored in 8 or 4 bits and widened inside the kernel.
+
+A decode step at small batch reads every weight once and does little else with it, so on a CPU its time is
+the weights' bytes over the memory bandwidth: 4-bit weights are read in a quarter of bfloat16's time. The
+kernels are PyTorch's own CPU weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
+torchao and gpt-fast run on a CPU); they dequantize in registers, so their arithmetic grows with the batch
+while a dense matmul's does not, which is why a caller keeps the dense weights for large batches
+(`layers.linear.InferenceWeight`).
+
+- int8: one scale per output channel, w = q * scale, q in [-127, 127].
+- int4: groups of `INT4_GROUP` consecutive inputs, w = q * scale + min, q in [0, 15]: llama.cpp's Q4_1 block.
+  A GGUF file's Q4_1 weights (the default model's) come back as the same q, scale and min, so int4 holds
+  them as the file does.
+
+`weight_only_matmul_reference` is the plain-PyTorch reference (dequantize, then multiply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP = 32  # inputs per int4 group, Q4_1's block
+INT4_ROWS = 16  # the int4 kernel's packing wants a multiple of this many output rows
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """values int8 [out, in], scales [out] in the activations' dtype (the kernel's contract)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales.float()[:, None]
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """q uint8 [out, in] in [0, 15]; scales_and_zeros [in / group, out, 2] in the activations' dtype: per group a
+    scale and a zero, w = (q - 8) * scale + zero (the kernel's contract; zero = min + 8 scale). `packed` is q
+    in the kernel's layout."""
+
+    q: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    packed: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scales_and_zeros.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        out, width = self.q.shape
+        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+        grouped = (self.q.view(out, -1, self.group).float() - 8) * scales[..., None] + zeros[..., None]
+        return grouped.view(out, width)
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    """Symmetric per output channel: the largest magnitude of each row maps to 127."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    values = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(values, scales.to(dtype))
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    out, width = weight.shape
+    return out % INT4_ROWS == 0 and width % INT4_GROUP == 0
+
+
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+    """Asymmetric per group of INT4_GROUP inputs: each group's minimum maps to 0 and its maximum to 15, as
+    llama.cpp's Q4_1 quantizer does (so its blocks come back unchanged)."""
+    if not int4_fits(weight):
+        raise ValueError(f"an int4 weight needs a multiple of {INT4_ROWS} rows and of {INT4_GROUP} columns, got "
+                         f"{tuple(weight.shape)}")
+    out, width = weight.shape
+    grouped = weight.float().view(out, width // INT4_GROUP, INT4_GROUP)
+    mins, maxs = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = (maxs - mins) / 15
+    safe = torch.where(scales > 0, scales, 1.0)
+    q = torch.round((grouped - mins[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8).view(out, width)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    scales_and_zeros = torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return Int4Weight(q, scales_and_zeros, packed)
+
+
+def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for)."""
+    if isinstance(weight, Int8Weight):
+        return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, weight.group, weight.scales_and_zeros)
+
+
+def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+    """`weight_only_matmul` in plain PyTorch: the weight dequantized, then one float32 matmul."""
+    return (x.float() @ weight.dequantize().t()).to(x.dtype)

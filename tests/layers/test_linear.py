@@ -1,0 +1,43 @@
+"""InferenceWeight: the layout and kernel a linear layer's weight is multiplied with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hisparse.layers.linear import DENSE_FROM_BATCH, InferenceWeight
+
+
+def linears(dtype):
+    torch.manual_seed(0)
+    return [nn.Linear(64, width, bias=False).to(dtype) for width in (32, 48)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_weight_multiplies_as_the_linears_and_they_view_it(dtype):
+    a, b = linears(dtype)
+    x = torch.randn(3, 64).to(dtype)
+    want = torch.cat([a(x), b(x)], dim=-1)
+    fused = InferenceWeight.fused(a, b)
+    assert torch.allclose(fused(x).float(), want.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert a.weight.data_ptr() == fused.t.data_ptr()  # one copy: the linears are views into it
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_and_dense_paths_use_the_same_weights(kind):
+    a, b = linears(torch.bfloat16)
+    fused = InferenceWeight.fused(a, b, quantization=kind)
+    assert fused.kind == kind
+    small = torch.randn(1, 64).to(torch.bfloat16)
+    large = torch.cat([small] * DENSE_FROM_BATCH[kind])  # served by the dense copy
+    assert torch.allclose(fused(small).float(), fused(large)[:1].float(), rtol=0.02, atol=0.02)
+    # the linears now hold the dequantized weights the dense path uses
+    assert torch.equal(a.weight, fused.quantized.dequantize()[:32].to(torch.bfloat16))
+
+
+def test_int4_falls_back_to_int8_where_it_cannot_pack_and_bad_kinds_are_refused():
+    odd = nn.Linear(64, 24, bias=False)  # 24 rows: not a multiple of 16
+    assert InferenceWeight(odd.weight, "int4").kind == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        InferenceWeight(odd.weight, "int3")

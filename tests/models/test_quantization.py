@@ -1,0 +1,75 @@
+"""Weight-only quantization of the default model: int4 holds its own Q4_1 weights, int8 rounds them once more;
+either stays within a percent of the unquantized model's perplexity, and a DSA model is refused it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.attention.single_sequence import SingleSequenceCache
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.models.loader import load_llama
+
+
+@pytest.fixture(scope="module")
+def text_ids(tokenizer):
+    import pydoc_data.topics
+
+    return tokenizer.encode(pydoc_data.topics.topics["if"] + pydoc_data.topics.topics["while"])[:384]
+
+
+def nll(model, ids) -> float:
+    """Mean next-token negative log-likelihood over `ids`, through the batched forward and the LM head."""
+    cache = SingleSequenceCache(model.config.num_layers, model.attention_scale)
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache)).float()
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+
+
+@pytest.fixture(scope="module")
+def quantized(model_files):
+    return {kind: load_llama(model_files, dtype=torch.bfloat16, quantization=kind) for kind in ("int8", "int4")}
+
+
+def test_int4_keeps_the_gguf_weights(llama, quantized):
+    """The file's Q4_1 blocks come back as they are: the int4 model's dense copy is the float32 model's weights
+    within the rounding of bfloat16 scales."""
+    for got, want in ((quantized["int4"].layers[4].mlp.gate_proj.weight, llama.layers[4].mlp.gate_proj.weight),
+                      (quantized["int4"].layers[9].attn.q_proj.weight, llama.layers[9].attn.q_proj.weight)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
+    assert quantized["int4"].layers[0].mlp.gate_up.kind == "int4"
+    assert quantized["int4"].lm_head_weight.kind == "int8"
+
+
+def test_perplexity_within_a_percent_of_the_bfloat16_model(llama_bf16, quantized, text_ids):
+    base = nll(llama_bf16, text_ids)
+    for kind, model in quantized.items():
+        assert abs(nll(model, text_ids) - base) < 0.01 * base, kind
+
+
+def test_small_batches_take_the_quantized_kernel(quantized, monkeypatch):
+    """Below the crossover the packed weights are read, not the dense copy."""
+    from hisparse.layers import linear
+
+    calls = []
+    monkeypatch.setattr(linear, "weight_only_matmul", lambda x, w: calls.append(x.shape[0]) or x @ w.dequantize().t()
+                        .to(x.dtype))
+    model = quantized["int4"]
+    cache = SingleSequenceCache(model.config.num_layers, model.attention_scale)
+    with torch.no_grad():
+        model(torch.tensor([1, 2]), torch.arange(2), cache)
+    assert calls and set(calls) == {2}
+
+
+def test_refusals(tmp_path, forbid):
+    from dsa_checkpoints import build_checkpoint
+
+    from hisparse.engine.llm_engine import LLMEngine
+    from hisparse.models import loader
+
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+        EngineConfig(quantization="int2")
+    build_checkpoint("glm_moe_dsa", tmp_path)
+    forbid(loader, "load_dsa_model")  # refused before the weights load
+    with pytest.raises(ValueError, match="quantization 'int4' is not available for GlmMoeDsaForCausalLM"):
+        LLMEngine(EngineConfig(model=str(tmp_path), quantization="int4"))
