@@ -99,6 +99,8 @@ class HiSparseAttention:
         host.index_copy_(0, self.host_write, new_rows.to(host.device))
         if index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
+        if not self.prefill:  # a decode-only step: every token is a request's decode query, in order
+            return self._decode(layer, q, new_rows, index_q, index_w)
         out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
         # Prefill over the host pool (on a GPU the reference stages it on the device before the backup).
         attend_prompt_chunks(out, layer, q, index_q, index_w, self.prefill, host, cache.scale, layout, cache.sparse,

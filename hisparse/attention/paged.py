@@ -160,21 +160,29 @@ class PagedAttention:
         if cache.index_cache is not None and index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
         sparse = cache.sparse
+        if not self.prefill:  # a decode-only step: every token is a request's decode query, in order
+            return self._decode(layer, pool, q, index_q, index_w)
         out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
         attend_prompt_chunks(out, layer, q, index_q, index_w, self.prefill, pool, cache.scale, layout, sparse,
                              self.selection)
         if self.decode:
-            rows = self.decode_rows
-            selects = self.selection is not None and sparse.sparse_in(layer)
-            if selects or (self.selection is not None and self.trace_steps):
+            at = self.decode_offsets
+            out[at] = self._decode(layer, pool, q[at], rows_of(index_q, at), rows_of(index_w, at))
+        return out
+
+    def _decode(self, layer, pool, q, index_q, index_w):
+        """The decode queries' attention: over every row of their requests, or over the rows the indexer selects."""
+        cache, sparse = self.cache, self.cache.sparse
+        rows = self.decode_rows
+        if self.selection is not None:
+            selects = sparse.sparse_in(layer)
+            if selects or self.trace_steps:
                 num_next = sparse.recorded_next_ranks if self.trace_steps else 0
-                selected, following = self.selection.decode(
-                    layer, rows_of(index_q, self.decode_offsets), rows_of(index_w, self.decode_offsets),
-                    self.decode_index_slots, self.decode_lengths, num_next)
+                selected, following = self.selection.decode(layer, index_q, index_w, self.decode_index_slots,
+                                                            self.decode_lengths, num_next)
                 for b, step in self.trace_steps.items():  # a recording step waits for the device, per layer
                     step["layers"][layer] = selected[b].to(torch.int32).cpu().numpy()
                     step["next"][layer] = following[b].to(torch.int32).cpu().numpy()
-                if selects:
+                if selects and selected.shape[1] < rows.shape[1]:  # else every position is selected
                     rows = torch.where(selected >= 0, rows.gather(1, selected.clamp(min=0)), -1)
-            out[self.decode_offsets] = attend_rows(pool, rows, q[self.decode_offsets], cache.scale, layout)
-        return out
+        return attend_rows(pool, rows, q, cache.scale, cache.layout)

@@ -23,6 +23,7 @@ class StepSelection:
         self.sparse = sparse
         self.selector = selector
         self._decode: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._all: torch.Tensor | None = None  # every position of every decode request (see `_everything`)
         self._chunks: dict[int, torch.Tensor] = {}
 
     def _shared(self, layer: int, chosen):
@@ -36,11 +37,23 @@ class StepSelection:
         queries."""
         if self.sparse.shares_selection(layer):
             return self._shared(layer, self._decode)
+        if slots.shape[1] <= self.sparse.top_k:  # no context is longer than top_k: every position is selected
+            return self._everything(lengths, slots.shape[1], num_next)
         args = (layer, index_q, index_w, slots, lengths, self.sparse.top_k)
         if num_next:
             self._decode = self.selector.select_with_next(*args, num_next)
         else:
             self._decode = self.selector.select(*args), None
+        return self._decode
+
+    def _everything(self, lengths: torch.Tensor, width: int, num_next: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What `decode` selects when no request has more than top_k positions, without scoring them: each
+        request's positions in order, -1 padded, and no runners-up. Built once per step."""
+        if self._all is None:
+            positions = torch.arange(width, device=lengths.device)
+            self._all = torch.where(positions < lengths[:, None], positions, -1)
+        following = torch.full((lengths.shape[0], num_next), -1, device=lengths.device) if num_next else None
+        self._decode = self._all, following
         return self._decode
 
     def chunk(self, layer: int, chunk: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None,
