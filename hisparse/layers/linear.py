@@ -1,14 +1,15 @@
 """A linear layer's weight as inference multiplies by it: dense, or weight-only quantized (`--quantization`).
 
-Dense weights are used as `x @ w` with w [in, out]. In float32 w is stored transposed, [in, out] row-major: on a
-CPU, decode is bound by reading weights, and BLAS runs that layout up to twice as fast as `F.linear`'s `x @ W.T`
-at batch 8-32. In bfloat16 w is a transposed view of an [out, in] row-major tensor, the layout oneDNN's
-bfloat16 kernels want. The nn.Linear parameters become views of the same memory, so the model holds one copy.
-
-Quantized (`kernels.weight_only_matmul`): the weight-only kernel serves batches below `DENSE_FROM_BATCH`, where
-reading 8 or 4 bits instead of 16 is what counts; from there on its in-register dequantization costs more than
-the bytes it saves, and a dense copy of the *dequantized* weights serves, so both paths multiply by the same
-numbers. Quantization trades memory for speed here: the dense copy stays.
+Three forms of the same numbers, each where it is fastest on a CPU:
+- the plain dense tensor, used as `x @ w` with w [in, out] (in float32 stored [in, out] row-major, which BLAS
+  runs up to twice as fast as `F.linear`'s `x @ W.T` at batch 8-32; in bfloat16 a transposed view of an
+  [out, in] row-major tensor, the layout oneDNN's bfloat16 kernels want), for prompt chunks; the nn.Linear
+  parameters are views of it, so training and tests still see ordinary modules;
+- in bfloat16, the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for decode batches;
+- quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH`, where reading 8 or 4 bits
+  instead of 16 is what counts; from there on the kernel's in-register dequantization costs more than the
+  bytes it saves. The dense forms then hold the *dequantized* weights, so every path multiplies by the same
+  numbers. Quantization trades memory for speed here: the dense forms stay.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 from hisparse.kernels.weight_only_matmul import (
     Int4Weight,
     Int8Weight,
@@ -26,18 +28,24 @@ from hisparse.kernels.weight_only_matmul import (
 )
 
 QUANTIZATIONS = ("none", "int8", "int4")
-# The batch from which the dense bfloat16 weights beat each kernel, over the default model's whole stack of
-# linears (2-core Xeon with AMX): the int8 kernel's time grows ~2.5x from batch 1 to 8, int4's ~3x.
-DENSE_FROM_BATCH = {"int8": 5, "int4": 12}
+# The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
+# stack of linears (2-core Xeon with AMX).
+DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
+# A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
+# than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
+SMALL_WEIGHT_DENSE_FROM = 17
+PACKED_UP_TO_BATCH = 64  # larger batches (prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`)
 
 
 class InferenceWeight:
     """x @ W.T for a weight W [out, in] (the model's dtype).
 
     quantization: "none", "int8" (per output channel) or "int4" (Q4_1's groups of 32; a shape the int4 kernel
-    cannot pack falls back to int8)."""
+    cannot pack falls back to int8). Batches from `dense_from` on multiply by the dense weights, prepacked for
+    oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 on a CPU)."""
 
-    def __init__(self, weight: torch.Tensor, quantization: str = "none") -> None:
+    def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None) -> None:
+        """dense_from: the batch from which the dense weights serve, when not the quantization's own."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         weight = weight.detach()
@@ -46,13 +54,14 @@ class InferenceWeight:
         if self.kind != "none":
             self.quantized = (quantize_int4 if self.kind == "int4" else quantize_int8)(weight, weight.dtype)
             weight = self.quantized.dequantize().to(weight.dtype)
-        self.dense_from = DENSE_FROM_BATCH.get(self.kind, 0)
+        self.dense_from = 0 if self.kind == "none" else dense_from or DENSE_FROM_BATCH[self.kind]
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
+        self.packed = pack_weight(weight) if packing_available(weight) else None
 
     @classmethod
     def fused(cls, *linears: nn.Linear, quantization: str = "none") -> InferenceWeight:
         """The weights of `linears` concatenated on the output axis ([q; k; v], [gate; up]); each linear's
-        weight becomes a view into it, so the model holds one copy."""
+        weight becomes a view into the plain copy."""
         fused = cls(torch.cat([lin.weight.detach() for lin in linears]), quantization)
         start = 0
         for lin in linears:
@@ -62,6 +71,9 @@ class InferenceWeight:
         return fused
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] < self.dense_from:
+        batch = x.shape[0]
+        if batch < self.dense_from:
             return weight_only_matmul(x, self.quantized)
+        if self.packed is not None and batch <= PACKED_UP_TO_BATCH:
+            return packed_matmul(x, self.packed)
         return x @ self.t

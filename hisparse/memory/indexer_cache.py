@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.kernels.index_keys_cpu import write_int8_keys
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
 
@@ -34,8 +35,12 @@ class IndexerKeyCache:
         return self.num_layers * self.format.row_bytes
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """keys [N, index_dim] (float) go to rows `slots` [N] of `layer`."""
-        self.rows[layer].index_copy_(0, slots, self.format.pack(keys))
+        """keys [N, index_dim] (float) go to rows `slots` [N] of `layer` (int8 rows on the CPU in one compiled
+        loop, `kernels.index_keys_cpu`; the same bytes)."""
+        if self.format.kind == "int8" and self.rows.device.type == "cpu":
+            write_int8_keys(self.rows[layer], slots, keys)
+        else:
+            self.rows[layer].index_copy_(0, slots, self.format.pack(keys))
 
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The keys at `slots` (any shape) -> [*slots.shape, index_dim] float32, in the basis they are stored

@@ -22,7 +22,7 @@ from torch import nn
 from hisparse.attention.backend import AttentionBackend
 from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
-from hisparse.layers.linear import InferenceWeight
+from hisparse.layers.linear import SMALL_WEIGHT_DENSE_FROM, InferenceWeight
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
 from hisparse.models.config import LlamaConfig
@@ -78,7 +78,8 @@ class LlamaAttention(nn.Module):
         self._prepared_indexer = self.indexer
         if self.indexer is not None:
             self.index_proj = InferenceWeight(self.indexer.projection_weight().to(self.q_proj.weight.dtype),
-                                              "int8" if quantization == "int4" else quantization)
+                                              "int8" if quantization == "int4" else quantization,
+                                              dense_from=SMALL_WEIGHT_DENSE_FROM)
 
     def forward(self, x: torch.Tensor, rope: HalfSplitRotation, index_rope: HalfSplitRotation | None,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -169,13 +170,13 @@ class LlamaForCausalLM(nn.Module):
         return None if config is None else config.spec(key_kind)
 
     def prepare_for_inference(self, quantization: str = "none") -> None:
-        """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head quantizes
-        to int8 at most: every token's logit is read from it. When tied, the embedding keeps its own table for
-        token lookups (in float32 or quantized the head then has its own copy)."""
+        """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head stays dense
+        (prepacked, it reads as fast as int8 here, and every token's logit comes from it). When tied, the
+        embedding keeps its own table for token lookups (in float32 the head has its own copy)."""
         for layer in self.layers:
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)
-        self.lm_head_weight = InferenceWeight(self.lm_head.weight, "int8" if quantization == "int4" else quantization)
+        self.lm_head_weight = InferenceWeight(self.lm_head.weight)
         self.quantization = quantization
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -55,3 +55,15 @@ def test_a_constant_group_and_an_unpackable_shape():
     assert torch.equal(constant.dequantize(), torch.full((16, INT4_GROUP), 0.75))
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         quantize_int4(torch.zeros(10, INT4_GROUP), torch.float32)
+
+
+def test_packed_matmul_matches_the_plain_one():
+    from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
+
+    weight = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
+    if not packing_available(weight):
+        pytest.skip("oneDNN's bfloat16 packing is not available here")
+    for batch in (1, 9, 200):
+        x = torch.randn(batch, 128).to(torch.bfloat16)
+        got, want = packed_matmul(x, pack_weight(weight)).float(), (x @ weight.t()).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -1,0 +1,27 @@
+"""The compiled int8 key writer against its reference: IndexKeyFormat.pack, then index_copy_."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.kernels.index_keys_cpu import write_int8_keys
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_same_bytes_as_the_reference(n):
+    generator = torch.Generator().manual_seed(n)
+    keys = torch.randn(n, 64, generator=generator) * 4
+    keys[0] = 0.0  # an all-zero key: the scale's floor
+    slots = torch.randperm(512, generator=generator)[:n]
+    want = torch.zeros(512, 68, dtype=torch.uint8)
+    want.index_copy_(0, slots, IndexKeyFormat("int8", 64).pack(keys))
+    got = torch.zeros_like(want)
+    write_int8_keys(got, slots, keys)
+    assert torch.equal(got, want)
+
+
+def test_out_of_range_slots_are_refused():
+    with pytest.raises(ValueError, match="slots must be"):
+        write_int8_keys(torch.zeros(4, 68, dtype=torch.uint8), torch.tensor([4]), torch.zeros(1, 64))
