@@ -28,6 +28,7 @@ class EngineConfig:
     device: str = "cpu"
     quantization: str = "none"  # weight-only: none, int8 (per channel) or int4 (groups of 32, GGUF's Q4_1)
     enable_prefix_caching: bool = True  # finished requests leave their KV in a radix tree for later prompts
+    adaptive_threads: bool = False  # on a CPU, step with fewer threads while other processes use the cores
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):
     sparse_attention: bool = True  # decode attends to the indexer's top_k positions; False = dense decode
     top_k: int = 256
@@ -63,7 +64,7 @@ class EngineConfig:
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             positive_int(name)
         self._check_parallel()
-        for name in ("sparse_attention", "record_topk", "enable_hisparse", "enable_prefix_caching"):
+        for name in ("sparse_attention", "record_topk", "enable_hisparse", "enable_prefix_caching", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense_layers is not None:

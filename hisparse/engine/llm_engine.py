@@ -19,6 +19,7 @@ import torch
 from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
 from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group, remove_shared_files
+from hisparse.engine.cpu_share import CpuShare
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
 from hisparse.engine.model_runner import ModelRunner, StepFailed
@@ -173,6 +174,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, self.config.max_running_requests,
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(self.model, self.cache, self.tp)
+        # A tensor-parallel rank keeps the cores it was given; one engine alone on a CPU shares them (cpu_share).
+        adapt = self.config.adaptive_threads and self.tp.size == 1 and self.config.device == "cpu"
+        self.cpu_share = CpuShare() if adapt else None
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
 
@@ -297,6 +301,8 @@ class LLMEngine:
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
+        if self.cpu_share is not None:
+            self.cpu_share.adjust()
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast_object(("step", self._take_pending()))
         batch = self.scheduler.schedule()

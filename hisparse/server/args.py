@@ -41,6 +41,7 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"
     dtype: str = "auto"
     quantization: str = "none"
+    disable_adaptive_threads: bool = False
     device: str = "cpu"
     log_level: str = "info"
     skip_server_warmup: bool = False
@@ -65,6 +66,7 @@ class ServerArgs:
                             max_running_requests=self.max_running_requests,
                             chunked_prefill_size=self.chunked_prefill_size, kv_cache_dtype=self.kv_cache_dtype,
                             dtype=self.dtype, quantization=self.quantization, device=self.device,
+                            adaptive_threads=not self.disable_adaptive_threads,
                             sparse_attention=not self.disable_sparse_attention,
                             top_k=self.top_k,
                             enable_hisparse=self.enable_hisparse, hisparse_config=self.hisparse_config,
@@ -140,6 +142,10 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "(a dense copy serves larger batches): int8 per channel, or int4 in groups of 32 (the "
                          "default model's own Q4_1 weights); the LM head is int8 at most. Llama models on the CPU")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    ap.add_argument("--disable-adaptive-threads", action="store_true",
+                    help="on a CPU, keep every core's thread even while other processes use the cores (by default "
+                         "a step runs on the cores they leave, at least one: an OpenMP team waits for its slowest "
+                         "thread at every op)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level, type=str.lower)
     ap.add_argument("--api-key", default=d.api_key,
                     help="every request but /health must send Authorization: Bearer KEY (default: none asked; a "
