@@ -23,7 +23,8 @@ counts as retrieved when every answer token is the argmax (= greedy decode write
 `--engine-check` also decodes one passkey prompt through the real engine, sparse and
 dense, and prints whether the engine's text agrees with the teacher-forced verdict.
 
-The model runs in the engine's dtype (`--dtype`, default auto: bfloat16 on our CPUs); the measuring
+The model runs in the engine's dtype (`--dtype`, default auto: bfloat16 on our CPUs) and quantization
+(`--quantization`: the dense copy of the quantized numbers serves these long prompts); the measuring
 (the true attention, the NLL) is float32 either way. Defaults: 8 trials at each of 2k, 4k and 8k, tail 256:
 about 7.5 minutes on 2 CPU cores in bfloat16, two thirds of it the 8k prefix forwards. Fewer trials are too
 noisy for perplexity: the paired NLL difference of one 256-token tail ranged from -0.01 to +0.23 nats at 4k
@@ -56,6 +57,7 @@ from hisparse.cli_args import (
 )
 from hisparse.engine.engine_config import DTYPES, resolve_model_dtype
 from hisparse.layers.indexer import check_indexer_weights
+from hisparse.layers.linear import QUANTIZATIONS
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
@@ -330,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=2)
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="the model's dtype, as the engine's --dtype (default: what the engine would serve in)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="the model's weight-only quantization, as the server's --quantization")
     return parser
 
 
@@ -388,7 +392,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     dtype = resolve_model_dtype(args.dtype)
-    model = load_llama(files, indexer=args.indexer if args.indexer else True, dtype=dtype)
+    model = load_llama(files, indexer=args.indexer if args.indexer else True, dtype=dtype,
+                       quantization=args.quantization)
     dense_layers = tuple(model.indexer_config.dense_layers if args.dense_layers is None else args.dense_layers)
     alt = None if args.compare_dense_layers is None else tuple(args.compare_dense_layers)
     started = time.perf_counter()
@@ -406,14 +411,14 @@ def main(argv=None) -> None:
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         results.append(summarize(context, trials))
     report = {"top_k": args.top_k, "dense_layers": list(dense_layers), "tail": args.tail,
-              "dtype": str(dtype).removeprefix("torch."),
+              "dtype": str(dtype).removeprefix("torch."), "quantization": args.quantization,
               "compare_dense_layers": None if alt is None else list(alt), "results": results}
     if args.engine_check:
         prompt, answer, _ = passkey_prompt(tokenizer, min(args.contexts), 0)
         report["engine_check"] = engine_check(model, tokenizer, prompt, answer, args.top_k)
         print(f"engine check ({min(args.contexts)} tokens, trial 0): passkey retrieved {report['engine_check']}")
     report["seconds"] = time.perf_counter() - started
-    print(f"model in {report['dtype']}")
+    print(f"model in {report['dtype']}, quantization {args.quantization}")
     print(format_table(results, args.top_k, dense_layers))
     if alt is not None:
         print(f"\nwith dense layers {list(alt)} instead: sparse perplexity change "
