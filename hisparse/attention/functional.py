@@ -11,9 +11,11 @@ from hisparse.memory.rows import gather_rows
 _QUERY_CHUNK = 256  # bounds the [heads, chunk, context] scores of a masked prompt chunk
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q over k/v where q are the last q.shape[0] of k's tokens. q [T, Hq, Dk], k [S, Hkv, Dk],
-    v [S, Hkv, Dv] -> [T, Hq, Dv].
+    v [S, Hkv, Dv] -> [T, Hq, Dv]. mask: `causal_mask(T, S, q.dtype)`, when the caller keeps one for many
+    layers (else it is built here).
 
     Tensors go to SDPA as 4-D: on the CPU its 3-D path is an order of magnitude slower. K/V come in the
     cache's dtype and are read in the query's (the model's): a bfloat16 model's K/V were bfloat16 before a
@@ -22,8 +24,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     tq, tk = q.shape[0], k.shape[0]
     if tq == tk:
         return _sdpa(q, k, v, None, scale, causal=True)
-    rows = torch.arange(tk - tq, tk, device=q.device).unsqueeze(1)
-    return _sdpa(q, k, v, torch.arange(tk, device=q.device).unsqueeze(0) <= rows, scale)
+    return _sdpa(q, k, v, causal_mask(tq, tk, q.dtype, q.device) if mask is None else mask, scale)
+
+
+def causal_mask(tq: int, tk: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The additive mask [tq, tk] (0 or -inf) of the last tq of tk tokens attending causally. SDPA turns a
+    boolean mask into this on every call (1.3 of 4.3 ms for 512 bfloat16 queries over 1536 keys on our CPU)."""
+    future = torch.arange(tk, device=device).unsqueeze(0) > torch.arange(tk - tq, tk, device=device).unsqueeze(1)
+    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -79,13 +87,14 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
 
 
 def attend_prompt(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: float, layout: RowLayout,
-                  selection: torch.Tensor | None = None) -> torch.Tensor:
+                  selection: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one request's prompt chunk q [T, Hq, Dk] (its last T positions) over the pool rows of its
-    positions 0..S-1 (`slots` [S]): causal, or each query over its own `selection` [T, K] (-1 padded)."""
+    positions 0..S-1 (`slots` [S]): causal (with `mask`, a kept `causal_mask`), or each query over its own
+    `selection` [T, K] (-1 padded)."""
     # The packed rows cross to the query's device, then unpack there: V is a view of K in the latent layout.
     k, v = layout.unpack(gather_rows(pool, slots.to(pool.device)).to(q.device))
     if selection is None:
-        return causal_attention(q, k, v, scale)
+        return causal_attention(q, k, v, scale, mask)
     s = slots.shape[0]
     # Padding (-1) scatters into a spare last column, which is then dropped.
     allowed = torch.zeros(q.shape[0], s + 1, dtype=torch.bool, device=q.device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.attention.functional import attend_prompt
+from hisparse.attention.functional import attend_prompt, causal_mask
 from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -21,6 +21,7 @@ class PromptChunk:
     pool_rows: torch.Tensor  # [S]: the rows of its positions 0..S-1 in the pool prefill reads
     index_slots: torch.Tensor | None  # [S]: their indexer-key slots, on the key cache's device
     positions: torch.Tensor | None  # [T]: the chunk's positions, on the key cache's device
+    mask: torch.Tensor | None = None  # its causal mask, built by the first layer that needs it, kept for the rest
 
 
 def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
@@ -34,4 +35,7 @@ def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q
         if selects:
             chosen = selection.chunk(layer, number, rows_of(index_q, chunk.tokens), rows_of(index_w, chunk.tokens),
                                      chunk.index_slots, chunk.positions)
-        out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, q[chunk.tokens], scale, layout, chosen)
+        queries = q[chunk.tokens]
+        if chosen is None and chunk.mask is None and queries.shape[0] < chunk.pool_rows.shape[0]:
+            chunk.mask = causal_mask(queries.shape[0], chunk.pool_rows.shape[0], queries.dtype, queries.device)
+        out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, queries, scale, layout, chosen, chunk.mask)
