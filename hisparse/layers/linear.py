@@ -34,7 +34,7 @@ DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
-PACKED_UP_TO_BATCH = 64  # larger batches (prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`)
+PACKED_UP_TO_BATCH = 320  # larger batches (long prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`)
 
 
 class InferenceWeight:
