@@ -118,11 +118,13 @@ def test_server_process_serves_then_ends_a_long_stream_within_the_grace_period_o
         children = [p for p in os.listdir("/proc") if p.isdigit() and _parent_of(p) == server.process.pid]
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)  # as service managers send it
-        try:  # no new request is taken: 503 while the socket still listens, refused once it has closed
+        # No new request is taken: 503 while the socket still listens, refused once it has closed; a connection
+        # that reached the accept queue just before uvicorn closed the socket is reset without an answer.
+        try:
             late = httpx.post(f"{server.base_url}/v1/completions", timeout=10,
                               json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
             assert late.status_code == 503
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
             pass
         streamer.join(30)
         assert server.process.wait(30) == 0
