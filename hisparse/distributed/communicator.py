@@ -15,6 +15,7 @@ everywhere.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import time
@@ -123,6 +124,30 @@ class SharedMemoryCommunicator:
             return None
         return torch.cat([torch.cat(p) if p else x.new_empty(0, w) for p, w in zip(parts, widths, strict=True)], -1)
 
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's rows x [counts[r], ...] one after the other, in rank order, on every rank (DP attention:
+        each rank's tokens, gathered for the layers that see every rank's tokens)."""
+        x = x.contiguous()
+        width = math.prod(x.shape[1:])
+        size = x.element_size()
+        step = max(1, SLOT_BYTES // max(1, width * size))
+        out = x.new_empty(sum(counts), *x.shape[1:])
+        flat = out.view(out.shape[0], -1)
+        offsets = [sum(counts[:r]) for r in range(self.world_size)]
+        for start in range(0, max(counts), step):
+            piece = x[start:start + step].reshape(-1)
+            buffer = self._begin()
+            buffer[self.rank, :piece.numel() * size].view(x.dtype).copy_(piece)
+            self.ready[self.rank] = self.seq
+            self._wait(self.ready, self.seq)
+            for r, count in enumerate(counts):
+                rows = max(0, min(step, count - start))
+                if rows:
+                    flat[offsets[r] + start:offsets[r] + start + rows] = \
+                        buffer[r, :rows * width * size].view(x.dtype).view(rows, width)
+            self.done[self.rank] = self.seq
+        return out
+
     def broadcast_object(self, obj=None):
         """Rank 0's obj on every rank (pickled; the others pass nothing)."""
         payload = pickle.dumps(obj) if self.rank == 0 else b""
@@ -185,6 +210,13 @@ class GlooCommunicator:
         if self.rank != 0:
             return None
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], -1)
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        padded = x.new_zeros(max(counts), *x.shape[1:])
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
 
     def broadcast_object(self, obj=None):
         box = [obj]

@@ -1,5 +1,11 @@
-"""A rank's place in a tensor-parallel group: how a model's dimensions split over the ranks, and the collectives
-its layers call. With one rank every collective is the identity, so the model code has one path."""
+"""A rank's place in a group of ranks: how a model's dimensions split over them, and the collectives its layers
+call. With one rank every collective is the identity, so the model code has one path.
+
+Tensor parallel splits every layer over the ranks, which then all run the same tokens. A DSA model may instead run
+its attention data-parallel (`dp_attention`: each rank its own requests, their whole latent cache and the whole
+attention weights) and only its MLPs over the ranks: the MoE's experts split (`expert_parallel`) or each expert's
+columns, the dense MLPs' columns, on every rank's tokens gathered (SGLang's --enable-dp-attention with
+--dp-size equal to --tp-size, and --ep-size)."""
 
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ def split_sizes(total: int, parts: int) -> list[int]:
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    dp_attention: bool = False  # each rank attends over its own requests' tokens (DSA models)
+    expert_parallel: bool = False  # each rank holds its share of the MoE's experts, not of every expert's columns
     comm: SharedMemoryCommunicator | GlooCommunicator | None = field(default=None, repr=False)  # set once joined
 
     def share(self, total: int) -> tuple[int, int]:
@@ -51,6 +59,10 @@ class TensorParallel:
     def gather_last_dim(self, x, total: int):
         """The ranks' [rows, width_r] side by side on rank 0 (None on the others): the split of `total` columns."""
         return x if self.size == 1 else self.comm.gather_last_dim(x, split_sizes(total, self.size))
+
+    def all_gather_rows(self, x, counts: list[int]):
+        """Every rank's rows (counts[r] of them) in rank order, on every rank."""
+        return x if self.size == 1 else self.comm.all_gather_rows(x, counts)
 
     def broadcast_object(self, obj=None):
         return obj if self.size == 1 else self.comm.broadcast_object(obj)

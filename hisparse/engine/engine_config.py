@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hisparse.engine.data_parallel import LOAD_BALANCE_METHODS
 from hisparse.layers.linear import QUANTIZATIONS
 from hisparse.memory.host_memory import GIB
 
@@ -41,10 +42,11 @@ class EngineConfig:
     hisparse_config: str | dict | None = None  # JSON text or dict: top_k, device_buffer_size, ...
     swap_in_backend: str = "auto"  # "auto", "cpu", "reference" or "triton"
     # Parallelism, as SGLang names it (docs/parallelism.md): one process per rank, started by the engine.
-    tp_size: int = 1  # tensor-parallel ranks: the model's heads, MLP columns and vocabulary split over them
-    dp_size: int = 1  # data-parallel attention groups (with enable_dp_attention)
-    enable_dp_attention: bool = False
-    ep_size: int = 1  # expert-parallel ranks of a MoE model
+    tp_size: int = 1  # ranks: a Llama model's heads, MLP columns and vocabulary split over them
+    dp_size: int = 1  # data-parallel attention groups (with enable_dp_attention: one per rank, dp_size = tp_size)
+    enable_dp_attention: bool = False  # a DSA model: each rank attends over its own requests, the MLPs split
+    ep_size: int = 1  # 1: each MoE expert's columns split over the ranks; tp_size: the experts split over them
+    load_balance_method: str = "round_robin"  # DP attention: which rank a request goes to (or shortest_queue)
     nnodes: int = 1  # machines the ranks run on, tp_size / nnodes on each
     node_rank: int = 0  # this machine's place among them; 0 runs the engine's scheduler and the server
     dist_init_addr: str | None = None  # HOST:PORT where the ranks meet (rank 0's machine); None: a free local port
@@ -107,9 +109,21 @@ class EngineConfig:
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} does not split over nnodes {self.nnodes}: each machine runs "
                              "tp_size / nnodes ranks")
-        if self.dp_size > 1 or self.enable_dp_attention or self.ep_size > 1:
-            raise ValueError("dp_size, enable_dp_attention and ep_size (the DSA models' DP attention and expert "
-                             "parallelism) are not implemented yet: use tp_size")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(f"dp_size {self.dp_size} without enable_dp_attention (whole replicas of the engine) is "
+                             "not implemented: run several servers behind sglang-router, or, for a DSA model, add "
+                             "--enable-dp-attention")
+        if self.enable_dp_attention and self.dp_size != self.tp_size:
+            raise ValueError(f"enable_dp_attention with dp_size {self.dp_size} and tp_size {self.tp_size}: each rank "
+                             f"is one DP group here (attention is not split within a group), so dp_size must equal "
+                             f"tp_size, e.g. --tp-size {max(self.dp_size, self.tp_size)} --dp-size "
+                             f"{max(self.dp_size, self.tp_size)}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size must be 1 (each expert's columns split over the ranks) or tp_size "
+                             f"({self.tp_size}: the experts split over the ranks), got {self.ep_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got "
+                             f"{self.load_balance_method!r}")
         if self.dist_init_addr is not None:
             host, _, port = str(self.dist_init_addr).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -20,9 +20,10 @@ from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
 from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group, remove_shared_files
 from hisparse.engine.cpu_share import CpuShare
+from hisparse.engine.data_parallel import Placement, StepReport
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
-from hisparse.engine.model_runner import ModelRunner, StepFailed
+from hisparse.engine.model_runner import ModelRunner, SamplingError, StepFailed
 from hisparse.engine.request import Request, RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
@@ -59,11 +60,17 @@ class LLMEngine:
         With tp_size > 1 this engine is rank 0: it starts the other ranks of its machine (`engine.workers`), each
         a replica of this engine on its shard (rank: theirs); a rank whose start raises refuses the start with
         its error (a rank that dies ends the process with a line naming it). The engine is bound to the calling
-        thread's CPUs: step it from the thread that made it (the server does). `close()` ends the ranks."""
+        thread's CPUs: step it from the thread that made it (the server does). `close()` ends the ranks.
+
+        With enable_dp_attention (a DSA model) each rank is also a data-parallel rank with requests of its own:
+        rank 0 places each request on one rank (`engine.data_parallel`) and every rank steps its own batch."""
         self.config = config or EngineConfig()
-        self.tp = TensorParallel(rank, self.config.tp_size)
+        c = self.config
+        self.tp = TensorParallel(rank, c.tp_size, dp_attention=c.enable_dp_attention and c.tp_size > 1,
+                                 expert_parallel=c.ep_size > 1)
         self.workers: WorkerGroup | None = None
         self._pending: list[tuple[str, tuple]] = []  # rank 0: commands the other ranks have not seen yet
+        self.placement = Placement(c.tp_size, c.load_balance_method) if self.tp.dp_attention and rank == 0 else None
         if self.tp.size == 1:
             self._prepare(model, tokenizer)
             self._load(model, tokenizer)
@@ -145,8 +152,9 @@ class LLMEngine:
         self.max_model_len = mc.max_position_embeddings
         kind = self.config.kv_kind(model_dtype)
         # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
-        layout = mc.for_rank(self.tp.rank, self.tp.size).row_layout(kind)
-        self._layouts = layout, (mc.for_rank(0, self.tp.size).row_layout(kind) if self.tp.size > 1 else None)
+        layout = mc.for_rank(self.tp).row_layout(kind)
+        self._layouts = layout, (mc.for_rank(dataclasses.replace(self.tp, rank=0)).row_layout(kind)
+                                 if self.tp.size > 1 else None)
         sparse = self._sparse_attention(indexer, mc.num_layers)
         self._sparse = sparse
         if self.config.enable_hisparse and (sparse is None or sparse.dense_layers):
@@ -213,15 +221,20 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, record_topk: bool | None = None, remote_prefill: bool = False,
-                    hold_kv: bool = False) -> Request:
+                    hold_kv: bool = False, dp_rank: int | None = None) -> Request | None:
         """record_topk: record this request's top-k selections (None = EngineConfig.record_topk).
-        remote_prefill, hold_kv: the request's part in prefill-decode disaggregation (`Request`)."""
+        remote_prefill, hold_kv: the request's part in prefill-decode disaggregation (`Request`).
+        dp_rank: under DP attention, the rank rank 0 placed it on (rank 0 places it; another rank adds only its
+        own, returning None for the others')."""
+        if dp_rank is not None and dp_rank != self.tp.rank:
+            return None
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
                                "sampling_params")
         params.validate()
-        if request_id is not None and request_id in self._detokenizers:
+        if request_id is not None and (request_id in self._detokenizers or
+                                       self.placement is not None and request_id in self.placement.owner):
             raise RequestError(f"request_id {request_id!r} is already in use by an unfinished request", "request_id")
         vocab = self.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
@@ -245,9 +258,13 @@ class LLMEngine:
                                f"capacity of {self.cache.capacity_tokens} tokens; raise the device KV budget",
                                "prompt" if len(ids) >= self.cache.capacity_tokens else "max_tokens",
                                "context_length_exceeded")
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
-        self.scheduler.add(request)
-        self._mirror("add_request", ids, params, request.request_id, request.record_topk, remote_prefill, hold_kv)
+        if self.placement is not None:
+            dp_rank = self.placement.place(request)
+        if dp_rank in (None, self.tp.rank):  # this rank runs it
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.scheduler.add(request)
+        self._mirror("add_request", ids, params, request.request_id, request.record_topk, remote_prefill, hold_kv,
+                     dp_rank)
         return request
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -270,11 +287,16 @@ class LLMEngine:
         self._mirror("abort", request_id)
         request = self.scheduler.abort(request_id)
         self._detokenizers.pop(request_id, None)
+        if self.placement is not None:
+            remote = self.placement.forget(request_id)
+            if remote is not None:
+                remote.status, remote.finish_reason = RequestStatus.FINISHED, "abort"
+                return remote
         return request
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.placement is not None and bool(self.placement.remote)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -306,6 +328,8 @@ class LLMEngine:
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast_object(("step", self._take_pending()))
         batch = self.scheduler.schedule()
+        if self.tp.dp_attention:
+            return self._step_data_parallel(batch, start)
         if self.tp.size > 1:
             self._check_same_batch(batch)
         if batch is None:
@@ -328,6 +352,57 @@ class LLMEngine:
             self.stats.decode_seconds += elapsed
             self.stats.decode_tokens += len(tokens)
         return [s.request for s in batch.sample_spans]
+
+    def _step_data_parallel(self, batch, start: float) -> list[Request]:
+        """Every rank steps its own batch (a rank with none still takes part in the MLPs' collectives), then
+        tells rank 0 what it did. A rank that cannot sample makes every rank give the step up."""
+        rows = 0 if batch is None else len(batch.input_ids)
+        counts = self.tp.all_gather_object((rows, batch is not None and bool(batch.prefill_spans)))
+        rows_per_rank = [n for n, _ in counts]
+        if not any(rows_per_rank):
+            return []
+        report = StepReport()
+        try:
+            tokens = self.runner.run(batch, rows_per_rank)
+        except SamplingError as error:
+            report.error = str(error)
+        own = []
+        if batch is not None and report.error is None:
+            self.scheduler.advance(batch)
+            for span in batch.spans:
+                request = span.request
+                if span.start == request.num_cached_tokens:  # its first prompt chunk
+                    report.admitted.append((request.request_id, request.num_cached_tokens))
+                    self.stats.prompt_tokens += request.num_prompt_tokens
+                    self.stats.cached_prompt_tokens += request.num_cached_tokens
+            now = time.perf_counter()
+            for span, token in zip(batch.sample_spans, tokens, strict=True):
+                request = span.request
+                before = len(request.output_text)
+                self._append(request, token, now)
+                text = request.output_text if request.finished else request.output_text[before:]
+                report.tokens.append((request.request_id, token, text, request.finish_reason))
+                own.append(request)
+        reports = self.tp.all_gather_object(report)
+        failed = next((r.error for r in reports if r.error is not None), None)
+        if failed is not None:
+            raise StepFailed(failed)
+        if self.placement is None:
+            return own
+        admitted, produced = self.placement.apply(reports, time.perf_counter())
+        for request in admitted:
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            self.stats.cached_prompt_tokens += request.num_cached_tokens
+        self.stats.generated_tokens += len(produced)
+        self.stats.finished_requests += sum(r.finished for r in produced)
+        elapsed = time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.step_seconds += elapsed
+        if not any(prefill for _, prefill in counts):
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += elapsed
+            self.stats.decode_tokens += len(own) + len(produced)
+        return own + produced
 
     def _append(self, request: Request, token: int, now: float) -> None:
         params = request.params
@@ -359,7 +434,10 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
-        if request.record_topk and self.config.topk_trace_dir is not None and self.tp.rank == 0:
+        if self.placement is not None:
+            self.placement.forget(request.request_id)
+        if request.record_topk and self.config.topk_trace_dir is not None and (self.tp.rank == 0 or
+                                                                                self.tp.dp_attention):
             from hisparse.engine.topk_trace import save_request_trace
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
@@ -399,7 +477,11 @@ class LLMEngine:
         self.scheduler.release_held(request_id)
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix."""
+        """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix.
+        Under DP attention every rank flushes its own now: False when any could not."""
+        if self.placement is not None:
+            self.tp.broadcast_object(("flush", self._take_pending()))
+            return all(self.tp.all_gather_object(self.cache.prefix.flush()))
         self._mirror("flush_cache")
         return self.cache.prefix.flush()
 
@@ -425,6 +507,13 @@ class LLMEngine:
                "held": len(self.scheduler.held),
                "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
                "memory": self.cache.usage(), "tp_size": self.tp.size, "ranks": self.rank_pools}
+        if self.placement is not None:  # every DP rank's requests and memory
+            for name, status in (("running", RequestStatus.RUNNING), ("waiting", RequestStatus.WAITING)):
+                out[name] += self.placement.count(status)
+            if self.tp.comm is not None:  # each rank's pools are its own: their slots add up
+                usage = self.rank_usage()
+                out["memory"] = {name: sum(u[name] for u in usage) for name in usage[0]}
+            out["dp_size"] = self.tp.size
         counters = getattr(self.cache, "counters", None)
         if counters is not None:
             out["swap_in"] = counters.as_dict()
@@ -478,6 +567,9 @@ class LLMEngine:
                 break
             if kind == "report":
                 self.tp.all_gather_object(self.cache.usage())
+                continue
+            if kind == "flush":
+                self.tp.all_gather_object(self.cache.prefix.flush())
                 continue
             try:
                 self.step()

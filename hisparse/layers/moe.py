@@ -58,13 +58,18 @@ class TopkRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, moe_intermediate_size: int, n_experts: int, n_shared_experts: int,
-                 router: TopkRouter) -> None:
+    """experts: the routed experts this module holds (all of them, or a rank's share under expert parallelism:
+    then its output is that share's part of the sum, and the ranks' parts add up to the whole).
+    shared_size: the shared experts' columns it holds (0: none)."""
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, n_experts: int, shared_size: int,
+                 router: TopkRouter, experts: range | None = None) -> None:
         super().__init__()
         self.gate = router
-        self.experts = nn.ModuleList(SwiGLU(hidden_size, moe_intermediate_size) for _ in range(n_experts))
-        self.shared_experts = (SwiGLU(hidden_size, moe_intermediate_size * n_shared_experts)
-                               if n_shared_experts else None)
+        self.n_experts = n_experts
+        self.local = experts if experts is not None else range(n_experts)
+        self.experts = nn.ModuleList(SwiGLU(hidden_size, moe_intermediate_size) for _ in self.local)
+        self.shared_experts = SwiGLU(hidden_size, shared_size) if shared_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]. The (token, expert) pairs are grouped by expert with one sort, so each expert that
@@ -73,9 +78,12 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [N, k] each
         k = ids.shape[1]
         order = ids.flatten().argsort(stable=True)
-        token = order // k
         # The one wait for the device in a layer's step: each expert's token count decides the slices.
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+        first = sum(counts[:self.local.start])  # the pairs of the experts held here are consecutive in `order`
+        counts = counts[self.local.start:self.local.stop]
+        order = order[first:first + sum(counts)]
+        token = order // k
         grouped = x[token]
         y = torch.empty_like(grouped)
         start = 0

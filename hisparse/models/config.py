@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.distributed.tensor_parallel import split_sizes
+from hisparse.distributed.tensor_parallel import TensorParallel, split_sizes
 from hisparse.formats.kv_layout import KVLayout
 
 
@@ -33,9 +33,13 @@ class LlamaConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
-    def for_rank(self, rank: int, size: int) -> LlamaConfig:
-        """The part of the model one of `size` tensor-parallel ranks holds: its share of the KV heads (as even as
-        they split) with their Q heads, and of the MLP's columns. The vocabulary stays the model's."""
+    def for_rank(self, tp: TensorParallel) -> LlamaConfig:
+        """The part of the model one of `tp.size` tensor-parallel ranks holds: its share of the KV heads (as even
+        as they split) with their Q heads, and of the MLP's columns. The vocabulary stays the model's."""
+        if tp.dp_attention or tp.expert_parallel:
+            raise ValueError("DP attention and expert parallelism are for the DSA models (MLA, MoE): a Llama model "
+                             "runs tensor-parallel, with --tp-size alone")
+        rank, size = tp.rank, tp.size
         if size == 1:
             return self
         if size > self.num_kv_heads:

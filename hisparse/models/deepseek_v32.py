@@ -8,6 +8,11 @@ attention backend, as every model here does. Each layer hands the backend its ab
 (q_nope W_UK, then q_pe) and its latent row (c_kv + k_pe) as the single K head, with its indexer's
 query, key and head weights; the backend selects each query's top-k (in prefill too: DSA attends
 sparsely from the first token) and attends over those latent rows, wherever the cache keeps them.
+
+Over several ranks (`tp`, DP attention) each rank attends over its own requests' tokens with the whole attention
+weights and its own latent cache; before each MLP the ranks' tokens are gathered, each rank runs its share of the
+MLP on all of them (its experts under expert parallelism, else its columns of every expert; its columns of the
+dense MLPs and shared experts), and the sum over the ranks comes back to each rank for its own tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from hisparse.attention.backend import AttentionBackend
+from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.formats.latent import LatentFormat, LatentLayout
 from hisparse.formats.sparse_attention import IndexerSpec
@@ -125,12 +131,41 @@ class DsaConfig:
     def num_layers(self) -> int:
         return self.num_hidden_layers
 
-    def for_rank(self, rank: int, size: int) -> DsaConfig:
-        """`LlamaConfig.for_rank`'s counterpart: a DSA model runs on one rank so far."""
-        if size > 1:
-            raise ValueError(f"{self.architecture} does not run tensor-parallel yet (its DP attention and expert "
-                             "parallelism are planned): serve it with tp_size 1")
+    def for_rank(self, tp: TensorParallel) -> DsaConfig:
+        """`LlamaConfig.for_rank`'s counterpart: the attention (and so the cache's rows) is whole on every rank,
+        which runs over several ranks only with DP attention."""
+        if tp.size > 1 and not tp.dp_attention:
+            raise ValueError(f"{self.architecture} runs over {tp.size} ranks with DP attention (--enable-dp-attention "
+                             f"--dp-size {tp.size}); its attention does not split over tensor-parallel ranks")
+        if tp.expert_parallel and self.n_routed_experts < tp.size:
+            raise ValueError(f"ep_size {tp.size} is more than the model's {self.n_routed_experts} routed experts: "
+                             "each rank holds at least one")
         return self
+
+    def experts_of(self, tp: TensorParallel) -> range:
+        """The routed experts rank `tp.rank` holds: its share under expert parallelism, else all of them."""
+        if not tp.expert_parallel:
+            return range(self.n_routed_experts)
+        start, n = tp.share(self.n_routed_experts)
+        return range(start, start + n)
+
+    def shard_weight(self, name: str, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        """The part of checkpoint tensor `name` that rank `tp.rank` holds: the rows of gate/up and the columns of
+        down of its share of the dense MLPs', the shared experts' and (without expert parallelism) every expert's
+        columns; everything else whole (a rank's experts under expert parallelism come whole, the others not at
+        all: `load_dsa_model`)."""
+        parts = name.split(".")
+        if tp.size == 1 or "mlp" not in parts or parts[-2] not in ("gate_proj", "up_proj", "down_proj"):
+            return weight
+        if "shared_experts" in parts:
+            total = self.moe_intermediate_size * self.n_shared_experts
+        elif "experts" in parts:
+            if tp.expert_parallel:
+                return weight
+            total = self.moe_intermediate_size
+        else:
+            total = self.intermediate_size
+        return weight.narrow(1 if parts[-2] == "down_proj" else 0, *tp.share(total)).contiguous()
 
     @property
     def attention_scale(self) -> float:
@@ -237,38 +272,58 @@ class DsaAttention(MultiHeadLatentAttention):
 
 
 class DsaDecoderLayer(nn.Module):
-    def __init__(self, cfg: DsaConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.self_attn = DsaAttention(cfg, layer_idx)
         if cfg.mlp_layer_types[layer_idx] == "dense":
-            self.mlp: nn.Module = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp: nn.Module = SwiGLU(cfg.hidden_size, tp.share(cfg.intermediate_size)[1])
         else:
             router = TopkRouter(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-            self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
-                           cfg.n_shared_experts, router)
+            experts = cfg.experts_of(tp)
+            expert_size = cfg.moe_intermediate_size
+            expert_size = expert_size if tp.expert_parallel else tp.share(expert_size)[1]
+            self.mlp = MoE(cfg.hidden_size, expert_size, cfg.n_routed_experts,
+                           tp.share(cfg.moe_intermediate_size * cfg.n_shared_experts)[1], router, experts)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                backend: AttentionBackend | None, rows_per_rank: list[int] | None = None) -> torch.Tensor:
+        """rows_per_rank: every rank's token count this step (DP attention). A rank with none still takes part
+        in the MLP's collectives."""
+        if h.shape[0]:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
+        return h + self._mlp_over_ranks(self.post_attention_layernorm(h), rows_per_rank)
+
+    def _mlp_over_ranks(self, x: torch.Tensor, rows_per_rank: list[int] | None) -> torch.Tensor:
+        tp = self.tp
+        if tp.size == 1:
+            return self.mlp(x)
+        everyone = tp.all_gather_rows(x, rows_per_rank)
+        out = tp.all_reduce(self.mlp(everyone))
+        start = sum(rows_per_rank[:tp.rank])
+        return out[start:start + x.shape[0]]
 
 
 class DsaModel(nn.Module):
-    def __init__(self, cfg: DsaConfig) -> None:
+    def __init__(self, cfg: DsaConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DsaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DsaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DsaForCausalLM(nn.Module):
-    def __init__(self, cfg: DsaConfig) -> None:
+    """tp: this rank's place among the ranks (DP attention, `DsaConfig.for_rank`); one rank by default."""
+
+    def __init__(self, cfg: DsaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DsaModel(cfg)
+        self.tp = tp = tp or TensorParallel()
+        cfg.for_rank(tp)
+        self.model = DsaModel(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rotary: RotaryEmbedding | None = None  # built on first use: never on the meta device
 
@@ -286,12 +341,16 @@ class DsaForCausalLM(nn.Module):
         return self.config.indexer_spec(key_kind)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None,
+                rows_per_rank: list[int] | None = None) -> torch.Tensor:
+        """Final hidden states [N, hidden] for N packed tokens at their absolute positions. rows_per_rank: every
+        rank's N this step, under DP attention (a rank with none passes no backend)."""
+        if self.tp.size > 1 and (rows_per_rank is None or len(rows_per_rank) != self.tp.size):
+            raise ValueError(f"a DP-attention step needs every rank's token count, got {rows_per_rank}")
         cos, sin = self.rotary.cos_sin(positions)
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, backend)
+            h = layer(h, cos, sin, backend, rows_per_rank)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,22 +364,37 @@ def _fp32_name(name: str) -> bool:
                           "indexer.k_norm.weight", "indexer.k_norm.bias"))
 
 
-def load_dsa_model(path: str | Path, dtype: torch.dtype = torch.float32) -> DsaForCausalLM:
+def load_dsa_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                   tp: TensorParallel | None = None) -> DsaForCausalLM:
     """Build the model named by `architectures` in `path`/config.json and load its safetensors.
 
     Multi-token-prediction layers (index >= num_hidden_layers) are skipped: the engine decodes one
-    token per step.
+    token per step. tp: the rank whose share to load (`DsaConfig.shard_weight`); each tensor is cut as it is
+    read, and a rank never reads the experts it does not hold.
     """
     cfg = DsaConfig.from_hf(read_config(path))
+    tp = tp or TensorParallel()
+    experts = cfg.experts_of(tp)
 
     def keep(name: str) -> bool:
         parts = name.split(".")
-        return not (len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers)
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_hidden_layers:
+            return False
+        return not (len(parts) > 5 and parts[4] == "experts" and int(parts[5]) not in experts)
 
-    state = load_state_dict(path, dtype, keep=keep, fp32_names=_fp32_name, block=cfg.fp8_block)
+    def local_name(name: str) -> str:
+        """model.layers.3.mlp.experts.E.* -> the E-th of this rank's experts."""
+        parts = name.split(".")
+        if len(parts) > 5 and parts[4] == "experts":
+            parts[5] = str(int(parts[5]) - experts.start)
+        return ".".join(parts)
+
+    state = load_state_dict(path, dtype, keep=keep, fp32_names=_fp32_name, block=cfg.fp8_block,
+                            shard=lambda name, weight: cfg.shard_weight(name, weight, tp))
+    state = {local_name(name): weight for name, weight in state.items()}
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
-        model = DsaForCausalLM(cfg)
+        model = DsaForCausalLM(cfg, tp)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -51,8 +51,10 @@ def weight_block_size(config: dict) -> int:
 def load_state_dict(path: str | Path, dtype: torch.dtype = torch.float32,
                     keep: Callable[[str], bool] = lambda name: True,
                     fp32_names: Callable[[str], bool] = lambda name: False,
-                    block: int = WEIGHT_BLOCK) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint whose name passes `keep`, FP8 pairs dequantized.
+                    block: int = WEIGHT_BLOCK,
+                    shard: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint whose name passes `keep`, FP8 pairs dequantized, each cut by `shard` (a
+    rank's part) as soon as it is read.
 
     Floating tensors are cast to `dtype`, except names for which `fp32_names` is true (router
     weights and biases, which the reference keeps in float32).
@@ -83,5 +85,5 @@ def load_state_dict(path: str | Path, dtype: torch.dtype = torch.float32,
             t = block_dequant(t, get(scale_name), block=block, dtype=target)
         elif t.is_floating_point():
             t = t.to(target)
-        out[name] = t
+        out[name] = shard(name, t)
     return out

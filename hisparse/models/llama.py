@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
         self.config = config
-        shard = config.for_rank(tp.rank, tp.size)
+        shard = config.for_rank(tp)
         self.vocab_start, vocab = tp.share(config.vocab_size)
         self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(shard, i, tp) for i in range(config.num_layers))

@@ -282,8 +282,7 @@ def _load_llama(files: ModelFiles, dtype: torch.dtype, device: str | torch.devic
 
 def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device, tp: TensorParallel,
               quantization: str) -> nn.Module:
-    files.config.for_rank(tp.rank, tp.size)  # refuses more than one rank
-    return load_dsa_model(files.path, dtype).to(device)
+    return load_dsa_model(files.path, dtype, tp).to(device)
 
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -56,6 +56,7 @@ class ServerArgs:
     dp_size: int = 1
     enable_dp_attention: bool = False
     ep_size: int = 1
+    load_balance_method: str = "round_robin"
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -73,7 +74,8 @@ class ServerArgs:
                             swap_in_backend=self.swap_in_backend,
                             enable_prefix_caching=not self.disable_radix_cache, tp_size=self.tp_size,
                             dp_size=self.dp_size, enable_dp_attention=self.enable_dp_attention, ep_size=self.ep_size,
-                            nnodes=self.nnodes, node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
+                            load_balance_method=self.load_balance_method, nnodes=self.nnodes,
+                            node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
 
     def model_name(self) -> str:
         """What clients put in `model`: the flag, else the model file's or folder's name."""
@@ -172,13 +174,17 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "both sides and its memory is freed")
     par = ap.add_argument_group("parallelism (docs/parallelism.md)")
     par.add_argument("--tp-size", "--tp", dest="tp_size", type=positive_int, default=d.tp_size,
-                     help="tensor-parallel ranks, one process each: heads, MLP and vocabulary split over them")
+                     help="ranks, one process each: a Llama model's heads, MLP and vocabulary split over them; "
+                          "a DSA model's MLPs (with --enable-dp-attention)")
     par.add_argument("--dp-size", "--dp", dest="dp_size", type=positive_int, default=d.dp_size,
-                     help="data-parallel attention groups (with --enable-dp-attention)")
+                     help="data-parallel attention groups, with --enable-dp-attention: equal to --tp-size")
     par.add_argument("--enable-dp-attention", action="store_true",
-                     help="each data-parallel rank owns its requests' whole cache (the DSA models)")
+                     help="a DSA model: each rank attends over its own requests with its own cache and HiSparse "
+                          "pools; the MLPs run over every rank's tokens")
     par.add_argument("--ep-size", dest="ep_size", type=positive_int, default=d.ep_size,
-                     help="expert-parallel ranks of a MoE model")
+                     help="1: each MoE expert's columns split over the ranks; --tp-size: the experts split")
+    par.add_argument("--load-balance-method", choices=("round_robin", "shortest_queue"), default=d.load_balance_method,
+                     help="DP attention: the rank each new request goes to")
     par.add_argument("--nnodes", type=positive_int, default=d.nnodes, help="machines the ranks run on")
     par.add_argument("--node-rank", type=int, default=d.node_rank,
                      help="this machine's place among them: 0 serves, the others run their ranks only")

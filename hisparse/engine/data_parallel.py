@@ -1,0 +1,84 @@
+"""DP attention's requests: rank 0 places each request on one data-parallel rank, which alone admits, schedules
+and decodes it in its own cache; rank 0 keeps a stand-in `Request` for each one placed elsewhere and brings it up
+to date from that rank's report after every step.
+
+Every rank steps together (the MLPs gather every rank's tokens), each on its own batch; a rank's report says what
+its step did to its requests, so that rank 0, which the server talks to, sees every request as if it ran there.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hisparse.engine.request import Request, RequestStatus
+
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+
+
+@dataclass
+class StepReport:
+    """What one DP rank's step did to its requests."""
+
+    admitted: list[tuple[str, int]] = field(default_factory=list)  # (id, prompt tokens reused from the cache)
+    # (id, token, text, finish reason): the text the token added, or the whole text once finished (a stop
+    # string may have cut it)
+    tokens: list[tuple[str, int, str, str | None]] = field(default_factory=list)
+    error: str | None = None  # the rank could not sample: every rank gives the step up
+
+
+class Placement:
+    """Rank 0's record of which DP rank runs each unfinished request, with stand-ins for the other ranks' ones.
+
+    round_robin places requests on the ranks in turn; shortest_queue on the rank with the fewest unfinished
+    requests (SGLang's --load-balance-method)."""
+
+    def __init__(self, size: int, method: str = "round_robin") -> None:
+        self.size = size
+        self.method = method
+        self.owner: dict[str, int] = {}  # every unfinished request's rank, rank 0's own included
+        self.remote: dict[str, Request] = {}  # stand-ins for the requests on ranks other than 0
+        self._turn = 0
+
+    def place(self, request: Request) -> int:
+        if self.method == "round_robin":
+            rank, self._turn = self._turn, (self._turn + 1) % self.size
+        else:
+            load = Counter(self.owner.values())
+            rank = min(range(self.size), key=lambda r: (load[r], r))
+        self.owner[request.request_id] = rank
+        if rank != 0:
+            self.remote[request.request_id] = request
+        return rank
+
+    def forget(self, request_id: str) -> Request | None:
+        """A request that ended: its stand-in (None for rank 0's own)."""
+        self.owner.pop(request_id, None)
+        return self.remote.pop(request_id, None)
+
+    def apply(self, reports: list[StepReport], now: float) -> tuple[list[Request], list[Request]]:
+        """The other ranks' reports onto their stand-ins: (the ones admitted this step, the ones that produced a
+        token, finished included)."""
+        admitted, produced = [], []
+        for report in reports[1:]:
+            for request_id, cached in report.admitted:
+                request = self.remote[request_id]
+                request.status = RequestStatus.RUNNING
+                request.num_cached_tokens = cached
+                admitted.append(request)
+            for request_id, token, text, finish_reason in report.tokens:
+                request = self.remote[request_id]
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.output_token_ids.append(token)
+                if finish_reason is None:
+                    request.output_text += text
+                else:
+                    request.output_text = text
+                    request.status, request.finish_reason = RequestStatus.FINISHED, finish_reason
+                    self.forget(request_id)
+                produced.append(request)
+        return admitted, produced
+
+    def count(self, status: RequestStatus) -> int:
+        return sum(r.status is status for r in self.remote.values())

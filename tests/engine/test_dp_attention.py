@@ -1,0 +1,116 @@
+"""DP attention with the MLPs split over the ranks, on a small random DSA checkpoint: two rank processes
+(`tp_size=2, dp_size=2, enable_dp_attention=True`, the experts split with ep_size 2 or each expert's columns
+without) give the tokens one process gives, with the baseline cache and with HiSparse; the requests spread over
+both ranks, each rank holds and frees only its own; what is not implemented is refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse.engine import model_runner
+from hisparse.engine.engine_config import EngineConfig
+from hisparse.engine.llm_engine import LLMEngine
+from hisparse.engine.model_runner import StepFailed
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.llm import LLM
+
+PROMPTS = ["Sparse attention reads only the tokens its indexer selects. " * 6, "The capital of France is",
+           "def fibonacci(n):\n    " * 3, "Once upon a time, in a small village, there lived " * 4]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+PARAMS = [GREEDY, GREEDY, SEEDED, GREEDY]
+BASE = {"dtype": "float32", "device_kv_budget": 32 << 20, "max_running_requests": 4, "chunked_prefill_size": 64}
+MODES = {"baseline": {}, "hisparse": {"enable_hisparse": True, "hisparse_config": {"device_buffer_size": 24}}}
+DP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_dsa_dir):
+    outputs = {}
+    for mode, extra in MODES.items():
+        engine = LLMEngine(EngineConfig(model=str(tiny_dsa_dir("glm-5")), **BASE, **extra))
+        requests = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS, strict=True)]
+        while engine.has_unfinished:
+            engine.step()
+        outputs[mode] = [(r.output_token_ids, r.output_text) for r in requests]
+    return outputs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("ep_size", [2, 1])
+def test_two_dp_ranks_give_one_ranks_tokens(tiny_dsa_dir, one_rank, mode, ep_size):
+    with LLM(str(tiny_dsa_dir("glm-5")), **DP2, ep_size=ep_size, **BASE, **MODES[mode]) as llm:
+        engine = llm.engine
+        outputs = llm.generate(PROMPTS, PARAMS)
+        assert [(o.token_ids, o.text) for o in outputs] == one_rank[mode]
+        # Round robin: requests 0 and 2 ran on rank 0, 1 and 3 on rank 1; each rank freed its own.
+        stats = llm.stats()
+        assert stats["dp_size"] == 2 and stats["finished_requests"] == len(PROMPTS)
+        assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outputs)
+        assert engine.flush_cache()
+        usage = engine.rank_usage()
+        assert all(v == 0 for u in usage for k, v in u.items() if k.endswith("_slots_used")), usage
+        if mode == "hisparse":
+            assert stats["swap_in"]["misses"] > 0  # rank 0's own pools swapped in
+        # A long request on each rank, aborted mid-decode: both ranks held rows, both free them.
+        long = [engine.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
+        for _ in range(4):
+            engine.step()
+        usage = engine.rank_usage()
+        assert all(u["device_slots_used"] > 0 for u in usage), usage
+        assert llm.stats()["running"] == 2
+        for request in long:
+            assert engine.abort(request.request_id).finish_reason == "abort"
+        assert not engine.has_unfinished
+        assert engine.flush_cache()
+        usage = engine.rank_usage()
+        assert all(v == 0 for u in usage for k, v in u.items() if k.endswith("_slots_used") or
+                   k.startswith("prefix_cache")), usage
+
+
+def test_a_rank_that_cannot_sample_fails_the_step_on_every_rank(tiny_dsa_dir, one_rank, monkeypatch):
+    """Rank 0 alone fails to sample (its requests' logits are patched away in this process): every rank gives the
+    step up, the requests are aborted, and the next generation is unchanged."""
+    with LLM(str(tiny_dsa_dir("glm-5")), **DP2, ep_size=2, **BASE) as llm:
+        engine = llm.engine
+        failing = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        with monkeypatch.context() as patch:
+            patch.setattr(model_runner, "sample", lambda logits, requests: 1 / 0)
+            with pytest.raises(StepFailed, match="ZeroDivisionError"):
+                while True:
+                    engine.step()
+        for request in failing:
+            engine.abort(request.request_id)
+        assert [(o.token_ids, o.text) for o in llm.generate(PROMPTS, PARAMS)] == one_rank["baseline"]
+
+
+def test_shortest_queue_places_requests_on_the_least_loaded_rank(tiny_dsa_dir):
+    with LLM(str(tiny_dsa_dir("glm-5")), **DP2, ep_size=2, **BASE, load_balance_method="shortest_queue") as llm:
+        engine = llm.engine
+        first = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+        second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
+        assert engine.placement.owner == {first.request_id: 0, second.request_id: 1}
+        while not first.finished:
+            engine.step()
+        third = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert engine.placement.owner[third.request_id] == 0  # rank 1 still runs the second
+        engine.abort(second.request_id)
+        while engine.has_unfinished:
+            engine.step()
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"tp_size": 2}, "runs over 2 ranks with DP attention"),
+    ({"tp_size": 2, "dp_size": 2}, "without enable_dp_attention"),
+    ({"dp_size": 2, "enable_dp_attention": True}, "dp_size must equal tp_size"),
+    ({**DP2, "ep_size": 3}, "ep_size must be 1"),
+    ({**DP2, "load_balance_method": "random"}, "load_balance_method must be one of"),
+])
+def test_what_is_not_implemented_is_refused(tiny_dsa_dir, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_dsa_dir("glm-5")), **BASE, **args)
+
+
+def test_the_llama_family_refuses_dp_attention():
+    with pytest.raises(ValueError, match="a Llama model runs tensor-parallel"):
+        LLM(**DP2, **BASE)
