@@ -82,3 +82,23 @@ class Placement:
 
     def count(self, status: RequestStatus) -> int:
         return sum(r.status is status for r in self.remote.values())
+
+
+def summed(parts: list[dict]) -> dict:
+    """The ranks' counters added up key by key (lists element by element, dicts key by key), a hit rate
+    recomputed from the sums: each DP rank's pools and their counters are its own."""
+    out = {}
+    for key, value in parts[0].items():
+        values = [part[key] for part in parts]
+        if isinstance(value, dict):
+            out[key] = summed(values)
+        elif isinstance(value, list):
+            out[key] = [sum(v) for v in zip(*values, strict=True)]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = sum(values)
+        else:
+            out[key] = value
+    if "hit_rate" in out:
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else None
+    return out

@@ -20,7 +20,7 @@ from hisparse.attention.hisparse import HiSparseKVCache
 from hisparse.attention.paged import PagedKVCache
 from hisparse.distributed.tensor_parallel import TensorParallel, join_group, leave_group, remove_shared_files
 from hisparse.engine.cpu_share import CpuShare
-from hisparse.engine.data_parallel import Placement, StepReport
+from hisparse.engine.data_parallel import Placement, StepReport, summed
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.errors import RequestError
 from hisparse.engine.model_runner import ModelRunner, SamplingError, StepFailed
@@ -510,9 +510,12 @@ class LLMEngine:
         if self.placement is not None:  # every DP rank's requests and memory
             for name, status in (("running", RequestStatus.RUNNING), ("waiting", RequestStatus.WAITING)):
                 out[name] += self.placement.count(status)
-            if self.tp.comm is not None:  # each rank's pools are its own: their slots add up
-                usage = self.rank_usage()
-                out["memory"] = {name: sum(u[name] for u in usage) for name in usage[0]}
+            if self.tp.comm is not None:  # each rank's pools are its own: their slots and counters add up
+                self.tp.broadcast_object(("stats", self._take_pending()))
+                ranks = self.tp.all_gather_object(self._rank_counters())
+                out["memory"] = summed([memory for memory, _ in ranks])
+                if "swap_in" in out:
+                    out["swap_in"] = summed([swap_in for _, swap_in in ranks])
             out["dp_size"] = self.tp.size
         counters = getattr(self.cache, "counters", None)
         if counters is not None:
@@ -541,6 +544,10 @@ class LLMEngine:
         self.tp.broadcast_object(("report", self._take_pending()))
         return self.tp.all_gather_object(self.cache.usage())
 
+    def _rank_counters(self) -> tuple[dict, dict | None]:
+        counters = getattr(self.cache, "counters", None)
+        return self.cache.usage(), None if counters is None else counters.as_dict()
+
     def _mirror(self, name: str, *args) -> None:
         """Rank 0: a call that changes the engine's state, for the other ranks to make before the next step."""
         if self.tp.size > 1 and self.tp.rank == 0:
@@ -567,6 +574,9 @@ class LLMEngine:
                 break
             if kind == "report":
                 self.tp.all_gather_object(self.cache.usage())
+                continue
+            if kind == "stats":
+                self.tp.all_gather_object(self._rank_counters())
                 continue
             if kind == "flush":
                 self.tp.all_gather_object(self.cache.prefix.flush())

@@ -80,6 +80,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("hisparse_tp_size", "Tensor-parallel ranks (each holds every token's rows for its "
                                 "share of the KV heads: the slot counts above are every rank's)",
                                 value=stats.get("tp_size", 1))
+        yield GaugeMetricFamily("hisparse_dp_size", "Data-parallel attention ranks (each holds its own requests' "
+                                "rows: the slot counts above are the ranks' summed)", value=stats.get("dp_size", 1))
         pools = {kind: GaugeMetricFamily(f"hisparse_{kind}_kv_bytes", f"Bytes of the {kind} KV pools, per rank",
                                          labels=["rank"]) for kind in ("device", "host")}
         for rank, sizes in enumerate(stats.get("ranks", [])):

@@ -1,14 +1,17 @@
 """`launch_server --tp-size 2` as users run it: real processes, the same answers as one rank, /metrics per rank,
 SIGTERM ending every rank, a rank killed or stopped ending the server in one line that names it, and two
-"machines" (`--nnodes 2`, two launches on loopback) answering alike. No test leaves a process behind."""
+"machines" (`--nnodes 2`, two launches on loopback) answering alike; a DSA checkpoint with DP attention and its
+experts split the same. No test leaves a process behind."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,6 +23,10 @@ from hisparse.engine.sampling_params import SamplingParams
 
 PROMPT = "The three primary colours are"
 FLAGS = ["--dtype", "float32", "--device-kv-budget", "48M", "--max-running-requests", "4"]
+DSA_PROMPTS = [PROMPT, "Sparse attention reads only the tokens its indexer selects. " * 8, "def add(a, b):",
+               "Once upon a time " * 10]
+DP_FLAGS = ["--dp-size", "2", "--enable-dp-attention", "--ep-size", "2", "--enable-hisparse", "--hisparse-config",
+            '{"device_buffer_size": 32}']
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +44,22 @@ def complete(server: ServerProcess) -> str:
                                 "ignore_eos": True})
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def dsa_dir(tiny_dsa_dir):
+    return str(tiny_dsa_dir("glm-5"))
+
+
+@pytest.fixture(scope="module")
+def dsa_one_rank(dsa_dir) -> list[str]:
+    engine = LLMEngine(EngineConfig(model=dsa_dir, dtype="float32", device_kv_budget=48 << 20, enable_hisparse=True,
+                                    hisparse_config={"device_buffer_size": 32}))
+    requests = [engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                for prompt in DSA_PROMPTS]
+    while engine.has_unfinished:
+        engine.step()
+    return [r.output_text for r in requests]
 
 
 def ranks_of(pid: int) -> list[int]:
@@ -89,6 +112,29 @@ def test_two_ranks_answer_as_one_and_sigterm_ends_both(tp_server, one_rank_text)
     assert not any(alive(pid) for pid in ranks)
 
 
+def test_a_dsa_model_with_dp_attention_answers_as_one_rank(tp_server, dsa_dir, dsa_one_rank):
+    """Four requests at once spread over both ranks (round robin), each answered as one rank answers it."""
+    server = tp_server("--model-path", dsa_dir, *DP_FLAGS)
+    ranks = ranks_of(server.process.pid)
+
+    def ask(prompt: str) -> str:
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                              json={"model": server.model_name(), "prompt": prompt, "max_tokens": 24,
+                                    "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(DSA_PROMPTS)) as pool:
+        assert list(pool.map(ask, DSA_PROMPTS)) == dsa_one_rank
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert "hisparse_dp_size 2.0" in metrics and 'hisparse_host_kv_bytes{rank="1"}' in metrics
+    misses = float(re.search(r"^hisparse_swap_in_misses_total (\S+)$", metrics, re.M).group(1))
+    assert misses > 0
+    server.process.send_signal(signal.SIGTERM)
+    assert exit_within(server, 30) == 0
+    assert not any(alive(pid) for pid in ranks)
+
+
 @pytest.mark.parametrize("fault, words", [(signal.SIGKILL, "rank 1 died (exit code -9)"),
                                           (signal.SIGSTOP, "rank 1 hung (stopped")], ids=["killed", "stopped"])
 def test_a_lost_rank_ends_the_server_in_one_line(tp_server, fault, words):
@@ -102,9 +148,15 @@ def test_a_lost_rank_ends_the_server_in_one_line(tp_server, fault, words):
     assert not alive(rank)
 
 
-def test_two_nodes_on_loopback_answer_as_one(tmp_path, one_rank_text):
+@pytest.mark.parametrize("model", ["llama", "dsa-dp-attention"])
+def test_two_nodes_on_loopback_answer_as_one(tmp_path, request, model):
     addr = f"127.0.0.1:{free_loopback_port()}"
     nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *FLAGS, "--skip-server-warmup"]
+    if model == "llama":
+        expected = request.getfixturevalue("one_rank_text")
+    else:
+        nodes += ["--model-path", request.getfixturevalue("dsa_dir"), *DP_FLAGS]
+        expected = request.getfixturevalue("dsa_one_rank")[0]
     second = subprocess.Popen([sys.executable, "-m", "hisparse.launch_server", *nodes, "--node-rank", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = ServerProcess("node 0", [*nodes, "--node-rank", "0"], tmp_path / "node0.log")
@@ -112,7 +164,7 @@ def test_two_nodes_on_loopback_answer_as_one(tmp_path, one_rank_text):
         first.start()
         wait_ready([first])
         assert ranks_of(first.process.pid) == []  # its other rank is the second node's
-        assert complete(first) == one_rank_text
+        assert complete(first) == expected
         first.process.send_signal(signal.SIGTERM)
         assert exit_within(first, 30) == 0
         assert second.wait(30) == 0, second.stdout.read()
@@ -124,7 +176,9 @@ def test_two_nodes_on_loopback_answer_as_one(tmp_path, one_rank_text):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dp-size", "2"], "--dp-size: dp_size, enable_dp_attention and ep_size"),
+    (["--dp-size", "2"], "--dp-size: dp_size 2 without enable_dp_attention"),
+    (["--tp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: enable_dp_attention with dp_size 1"),
+    (["--tp-size", "2", "--ep-size", "3"], "--ep-size: ep_size must be 1"),
     (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], "--tp-size: tp_size 3 does not split"),
     (["--tp-size", "2", "--nnodes", "2"], "--nnodes: nnodes > 1 needs dist_init_addr"),
     (["--node-rank", "1"], "--node-rank: node_rank must be an integer in [0, nnodes=1)"),
