@@ -14,7 +14,10 @@ where budget = gpu_memory x mem_fraction_static - weights per GPU.
 
 MLA keeps one latent head, so tensor parallelism does not split the KV cache: every rank of an
 attention-TP group holds the same rows. Each attention data-parallel group (--dp) is one independent
-KV pool; each rank keeps its own host pool. This module imports no torch, so it can run anywhere.
+KV pool; each rank keeps its own host pool. Under DP attention the attention weights, the embedding and the
+LM head are whole in every group (the engine's `--enable-dp-attention`; SGLang replicates the embedding, and
+the LM head with --enable-dp-lm-head), the MLPs split over all --tp ranks.
+This module imports no torch, so it can run anywhere.
 """
 
 from __future__ import annotations
@@ -133,10 +136,14 @@ class ModelShape:
             n_dense * dense
             + (self.num_layers - n_dense) * moe
             + self.num_layers * 2 * 2 * h
-            + 2 * 2 * self.vocab_size * h
+            + self.vocabulary_bytes()
             + 2 * h
         )
         return self.num_layers * attn, other
+
+    def vocabulary_bytes(self) -> int:
+        """The embedding and the LM head (bf16), part of `weight_bytes`' other bytes."""
+        return 2 * 2 * self.vocab_size * self.hidden_size
 
 
 MODELS = {
@@ -315,7 +322,8 @@ def plan_capacity(
 
     if weights_gb is None:
         attn, other = shape.weight_bytes()
-        weights = attn // (tp // dp) + other // tp
+        vocab = shape.vocabulary_bytes() if dp > 1 else 0  # whole in each DP group, as the attention
+        weights = (attn + vocab) // (tp // dp) + (other - vocab) // tp
     else:
         _check_positive("weights-gb", weights_gb)
         weights = int(weights_gb * GIB) // tp

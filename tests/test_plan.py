@@ -65,7 +65,8 @@ def test_dp_attention_multiplies_pools_and_replicates_attention_weights():
     tp_only, dp8 = plan_capacity(shape, cfg, **common), plan_capacity(shape, cfg, dp=8, **common)
     attn, other = shape.weight_bytes()
     assert tp_only.weights_bytes_per_gpu == attn // 8 + other // 8
-    assert dp8.weights_bytes_per_gpu == attn + other // 8
+    vocab = shape.vocabulary_bytes()  # the embedding and the LM head are whole in each DP group too
+    assert dp8.weights_bytes_per_gpu == attn + vocab + (other - vocab) // 8
     assert dp8.kv_pools == 8 and dp8.max_requests_hisparse_total == 8 * dp8.max_requests_hisparse
 
 

@@ -1,7 +1,11 @@
-"""Decode step and output throughput of the default model on 1 and on 2 tensor-parallel ranks, side by side.
+"""Decode step and output throughput of a model on 1 and on 2 ranks, side by side.
 
     python -m hisparse.bench.tensor_parallel [--batch-sizes 1 8 16] [--prompt-tokens 256] [--output-tokens 64]
-                                              [--repeats 3] [--enable-hisparse]
+                                              [--repeats 3] [--enable-hisparse] [--model DIR [--ep-size 1|2]]
+
+The default model runs tensor-parallel; a DSA checkpoint (`--model`, e.g. one written by
+`python -m hisparse.tools.random_checkpoint`) runs with DP attention, each rank half of the batch's requests,
+its experts split (--ep-size 2) or each expert's columns (--ep-size 1).
 
 Each engine runs in a process of its own (a rank binds its process to its share of the cores), both loaded at
 once; each repeat sends every engine fresh prompts (never seen, so no prefix is reused), the engines taking turns
@@ -26,6 +30,8 @@ from hisparse.cli_args import OneLineParser, int_in, positive_int, run_main
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.workers import cpu_shares, free_init_addr
 from hisparse.llm import LLM
+from hisparse.models.deepseek_v32 import ARCHITECTURES as DSA_ARCHITECTURES
+from hisparse.models.loader import open_model
 
 PROG = "python -m hisparse.bench.tensor_parallel"
 
@@ -87,13 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-tokens", type=int_in(2, 512), default=64)
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--enable-hisparse", action="store_true", help="both engines with HiSparse (buffer 512)")
+    parser.add_argument("--model", default=None, help="a model folder or file (default: the default model); a DSA "
+                                                      "checkpoint runs with DP attention on two ranks")
+    parser.add_argument("--ep-size", type=int, choices=(1, 2), default=2,
+                        help="a DSA model on two ranks: 2 splits the experts, 1 each expert's columns")
     return parser
 
 
-def serve_runs(tp: int, common: dict, prompt_tokens: int, output_tokens: int) -> None:
+def serve_runs(parallel: dict, common: dict, prompt_tokens: int, output_tokens: int) -> None:
     """One engine's process: loads, warms up, says "ready", then answers each "batch seed" line on stdin with
     "tok/s step_ms" on stdout."""
-    llm = LLM(tp_size=tp, **common)
+    llm = LLM(**parallel, **common)
     vocab = llm.engine.model.config.vocab_size
     decode_run(llm, fresh_prompts(2, 32, vocab, 0), 4)  # kernels compiled, caches touched
     print("ready", llm.engine.model.config.hidden_size, llm.engine.model.config.num_layers, flush=True)
@@ -106,12 +116,20 @@ def serve_runs(tp: int, common: dict, prompt_tokens: int, output_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    common = {"device_kv_budget": 256 << 20, "max_running_requests": 64, "enable_prefix_caching": False}
+    common = {"model": args.model, "device_kv_budget": 256 << 20, "max_running_requests": 64,
+              "enable_prefix_caching": False}
     if args.enable_hisparse:
         common.update(enable_hisparse=True, hisparse_config={"device_buffer_size": 512})
+    try:
+        dsa = open_model(args.model).architecture in DSA_ARCHITECTURES
+    except (OSError, ValueError) as error:
+        print(f"{PROG}: error: --model: {error}", file=sys.stderr)
+        return 2
+    two = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": args.ep_size} if dsa else {"tp_size": 2}
+
     def code(tp: int) -> str:
         return (f"from hisparse.bench.tensor_parallel import serve_runs; "
-                f"serve_runs({tp}, {common!r}, {args.prompt_tokens}, {args.output_tokens})")
+                f"serve_runs({two if tp == 2 else {}!r}, {common!r}, {args.prompt_tokens}, {args.output_tokens})")
 
     engines = {tp: subprocess.Popen([sys.executable, "-c", code(tp)], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for tp in (1, 2)}
@@ -137,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines.values():
             engine.stdin.close()
             engine.wait(60)
-    mode = "HiSparse" if args.enable_hisparse else "baseline"
+    mode = ("HiSparse" if args.enable_hisparse else "baseline") + (
+        f", DP attention with ep_size {args.ep_size} on 2 ranks" if dsa else ", tensor parallel on 2 ranks")
     print(f"\n{args.prompt_tokens}-token prompts, {args.output_tokens} tokens out, {mode}, float32 where the CPU has "
           f"no bfloat16; medians of {args.repeats}")
     print("| batch | tp 1 step ms | tp 2 step ms | tp 2 / tp 1 step | tp 1 tok/s | tp 2 tok/s | tp 2 / tp 1 tok/s |")
@@ -150,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch_sizes:
         us, gloo = all_reduce_us(batch, hidden), all_reduce_us(batch, hidden, calls=200, shared=False)
         print(f"batch {batch}: one shared-memory all-reduce of [{batch}, {hidden}] {us:.0f} us (gloo over loopback: "
-              f"{gloo:.0f} us); the two per layer cost {2 * layers * us / 1000:.2f} ms a step, a third (the "
-              f"selection broadcast) would add {layers * us / 1000:.2f} ms")
+              f"{gloo:.0f} us); the two per layer cost {2 * layers * us / 1000:.2f} ms a step" + (
+                  "" if dsa else f", a third (the selection broadcast) would add {layers * us / 1000:.2f} ms"))
     return 0
 
 

@@ -12,3 +12,7 @@ def test_all_reduce_timing_runs_two_ranks():
 
 def test_bad_flags_are_refused(assert_refused):
     assert_refused(main, ["--batch-sizes", "0"], "python -m hisparse.bench.tensor_parallel", "--batch-sizes")
+
+
+def test_a_missing_model_is_refused(assert_refused, tmp_path):
+    assert_refused(main, ["--model", str(tmp_path / "nothing")], "python -m hisparse.bench.tensor_parallel", "--model")

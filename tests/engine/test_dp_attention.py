@@ -13,6 +13,9 @@ from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.model_runner import StepFailed
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.llm import LLM
+from hisparse.memory.hisparse_config import HiSparseConfig
+from hisparse.models.hf_checkpoint import read_config
+from hisparse.plan import ModelShape, requests_within
 
 PROMPTS = ["Sparse attention reads only the tokens its indexer selects. " * 6, "The capital of France is",
            "def fibonacci(n):\n    " * 3, "Once upon a time, in a small village, there lived " * 4]
@@ -114,3 +117,20 @@ def test_what_is_not_implemented_is_refused(tiny_dsa_dir, args, message):
 def test_the_llama_family_refuses_dp_attention():
     with pytest.raises(ValueError, match="a Llama model runs tensor-parallel"):
         LLM(**DP2, **BASE)
+
+
+def test_each_rank_sizes_its_pools_as_the_planner_does(tiny_dsa_dir):
+    """The budget is per rank: each DP rank's HiSparse pools are hisparse.plan's for that budget, and the ranks'
+    pools add up (the planner's kv_pools = dp)."""
+    path = str(tiny_dsa_dir("glm-5"))
+    shape = ModelShape.from_hf_config(read_config(path))
+    hisparse = HiSparseConfig.parse({"device_buffer_size": 32}, shape.index_topk, check_buffer=False)
+    budget = 16 << 20
+    planned = requests_within(shape, hisparse, budget, 256, "bfloat16").sizing
+    with LLM(path, **DP2, ep_size=2, dtype="float32", kv_cache_dtype="bfloat16", device_kv_budget=budget,
+             enable_hisparse=True, hisparse_config={"device_buffer_size": 32}) as llm:
+        usage = llm.engine.rank_usage()
+        assert [(u["device_slots_total"], u["host_slots_total"]) for u in usage] == \
+            [(planned.device_slots, planned.logical_capacity)] * 2
+        memory = llm.stats()["memory"]
+        assert memory["device_slots_total"] == 2 * planned.device_slots
