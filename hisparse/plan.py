@@ -40,6 +40,11 @@ MAX_TP = 1024
 MAX_GPUS = 1 << 16
 
 
+def fp8(rows: int, cols: int) -> int:
+    """Bytes of a [rows, cols] e4m3 weight with an fp32 scale per 128x128 block."""
+    return rows * cols + 4 * math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
+
+
 class PlanError(ValueError):
     """A configuration that cannot run; the message is one line for the user."""
 
@@ -110,17 +115,10 @@ class ModelShape:
         """(attention bytes, other bytes) of the FP8 checkpoint without its MTP layers: linear
         weights in e4m3 with an fp32 scale per 128x128 block; embeddings, norms, router and the
         indexer's head weights in bf16. Attention is apart because DP attention replicates it."""
-
-        def fp8(rows: int, cols: int) -> int:
-            return rows * cols + 4 * math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
-
-        h, qk = self.hidden_size, self.qk_nope_head_dim + self.qk_rope_head_dim
-        attn = (
+        h = self.hidden_size
+        whole = (  # per layer: what attention-TP ranks do not split (`attention_head_bytes` is the rest)
             fp8(self.q_lora_rank, h)
-            + fp8(self.num_heads * qk, self.q_lora_rank)
             + fp8(self.kv_lora_rank + self.qk_rope_head_dim, h)
-            + fp8(self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
-            + fp8(h, self.num_heads * self.v_head_dim)
             + fp8(self.index_n_heads * self.index_head_dim, self.q_lora_rank)
             + fp8(self.index_head_dim, h)
             + 2 * (self.index_n_heads * h + 2 * self.index_head_dim + self.q_lora_rank + self.kv_lora_rank)
@@ -139,7 +137,15 @@ class ModelShape:
             + self.vocabulary_bytes()
             + 2 * h
         )
-        return self.num_layers * attn, other
+        return self.num_layers * whole + self.attention_head_bytes(), other
+
+    def attention_head_bytes(self) -> int:
+        """The part of `weight_bytes`' attention that splits by heads over attention-TP ranks (q_b_proj,
+        kv_b_proj, o_proj); the latent and query down-projections and the indexer are whole on every rank."""
+        h, qk = self.hidden_size, self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.num_layers * (fp8(self.num_heads * qk, self.q_lora_rank)
+                                  + fp8(self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+                                  + fp8(h, self.num_heads * self.v_head_dim))
 
     def vocabulary_bytes(self) -> int:
         """The embedding and the LM head (bf16), part of `weight_bytes`' other bytes."""
@@ -322,8 +328,9 @@ def plan_capacity(
 
     if weights_gb is None:
         attn, other = shape.weight_bytes()
-        vocab = shape.vocabulary_bytes() if dp > 1 else 0  # whole in each DP group, as the attention
-        weights = (attn + vocab) // (tp // dp) + (other - vocab) // tp
+        heads = shape.attention_head_bytes()  # the rest of the attention is whole on every rank
+        vocab = shape.vocabulary_bytes() if dp > 1 else 0  # whole in each DP group
+        weights = attn - heads + heads // (tp // dp) + vocab + (other - vocab) // tp
     else:
         _check_positive("weights-gb", weights_gb)
         weights = int(weights_gb * GIB) // tp

@@ -64,7 +64,8 @@ def test_dp_attention_multiplies_pools_and_replicates_attention_weights():
     common = dict(gpu_memory_gb=141, tp=8, input_len=32768, output_len=8192)
     tp_only, dp8 = plan_capacity(shape, cfg, **common), plan_capacity(shape, cfg, dp=8, **common)
     attn, other = shape.weight_bytes()
-    assert tp_only.weights_bytes_per_gpu == attn // 8 + other // 8
+    heads = shape.attention_head_bytes()  # only the heads' projections split; the rest of attention is whole
+    assert tp_only.weights_bytes_per_gpu == attn - heads + heads // 8 + other // 8
     vocab = shape.vocabulary_bytes()  # the embedding and the LM head are whole in each DP group too
     assert dp8.weights_bytes_per_gpu == attn + vocab + (other - vocab) // 8
     assert dp8.kv_pools == 8 and dp8.max_requests_hisparse_total == 8 * dp8.max_requests_hisparse

@@ -9,14 +9,17 @@ attention backend, as every model here does. Each layer hands the backend its ab
 query, key and head weights; the backend selects each query's top-k (in prefill too: DSA attends
 sparsely from the first token) and attends over those latent rows, wherever the cache keeps them.
 
-Over several ranks (`tp`, DP attention) each rank attends over its own requests' tokens with the whole attention
-weights and its own latent cache; before each MLP the ranks' tokens are gathered, each rank runs its share of the
-MLP on all of them (its experts under expert parallelism, else its columns of every expert; its columns of the
-dense MLPs and shared experts), and the sum over the ranks comes back to each rank for its own tokens.
+Over several ranks (`tp`) each rank holds its share of every MLP (its experts under expert parallelism, else its
+columns of every expert; its columns of the dense MLPs and shared experts), whose outputs the ranks sum. Tensor
+parallel: every rank runs the same tokens with its share of the attention heads (and so every token's latent
+row: MLA has one K head) and of the vocabulary. DP attention: each rank attends over its own requests' tokens
+with the whole attention and its own latent cache; before each MLP the ranks' tokens are gathered, and the sum
+comes back to each rank for its own tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from hisparse.layers.mla import MultiHeadLatentAttention
 from hisparse.layers.moe import MoE, SwiGLU, TopkRouter
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import RotaryEmbedding, yarn_get_mscale, yarn_inv_freq
+from hisparse.layers.vocab_parallel import embed_vocab_share
 from hisparse.models.hf_checkpoint import load_state_dict, read_config, weight_block_size
 
 ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
@@ -132,15 +136,19 @@ class DsaConfig:
         return self.num_hidden_layers
 
     def for_rank(self, tp: TensorParallel) -> DsaConfig:
-        """`LlamaConfig.for_rank`'s counterpart: the attention (and so the cache's rows) is whole on every rank,
-        which runs over several ranks only with DP attention."""
-        if tp.size > 1 and not tp.dp_attention:
-            raise ValueError(f"{self.architecture} runs over {tp.size} ranks with DP attention (--enable-dp-attention "
-                             f"--dp-size {tp.size}); its attention does not split over tensor-parallel ranks")
+        """`LlamaConfig.for_rank`'s counterpart: the part of the attention rank `tp.rank` holds. Tensor parallel
+        splits the heads (each rank keeps every token's latent row: MLA has one K head); DP attention keeps them
+        whole. The cache's rows are the same either way."""
         if tp.expert_parallel and self.n_routed_experts < tp.size:
             raise ValueError(f"ep_size {tp.size} is more than the model's {self.n_routed_experts} routed experts: "
                              "each rank holds at least one")
-        return self
+        if tp.size == 1 or tp.dp_attention:
+            return self
+        if tp.size > self.num_attention_heads:
+            raise ValueError(f"tp_size {tp.size} is more than the model's {self.num_attention_heads} attention heads: "
+                             "each rank holds at least one (or run DP attention: --enable-dp-attention --dp-size "
+                             f"{tp.size})")
+        return dataclasses.replace(self, num_attention_heads=tp.share(self.num_attention_heads)[1])
 
     def experts_of(self, tp: TensorParallel) -> range:
         """The routed experts rank `tp.rank` holds: its share under expert parallelism, else all of them."""
@@ -152,10 +160,20 @@ class DsaConfig:
     def shard_weight(self, name: str, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         """The part of checkpoint tensor `name` that rank `tp.rank` holds: the rows of gate/up and the columns of
         down of its share of the dense MLPs', the shared experts' and (without expert parallelism) every expert's
-        columns; everything else whole (a rank's experts under expert parallelism come whole, the others not at
-        all: `load_dsa_model`)."""
+        columns; under tensor parallel also its heads' rows of q_b_proj and kv_b_proj, their columns of o_proj and
+        its rows of the embedding and the LM head; everything else whole (a rank's experts under expert
+        parallelism come whole, the others not at all: `load_dsa_model`)."""
         parts = name.split(".")
-        if tp.size == 1 or "mlp" not in parts or parts[-2] not in ("gate_proj", "up_proj", "down_proj"):
+        if tp.size == 1:
+            return weight
+        if not tp.dp_attention and parts[-2] in ("q_b_proj", "kv_b_proj", "o_proj", "lm_head", "embed_tokens"):
+            if parts[-2] in ("lm_head", "embed_tokens"):
+                return weight.narrow(0, *tp.share(self.vocab_size)).contiguous()
+            start, heads = tp.share(self.num_attention_heads)
+            per_head = {"q_b_proj": self.qk_nope_head_dim + self.qk_rope_head_dim,
+                        "kv_b_proj": self.qk_nope_head_dim + self.v_head_dim, "o_proj": self.v_head_dim}[parts[-2]]
+            return weight.narrow(1 if parts[-2] == "o_proj" else 0, start * per_head, heads * per_head).contiguous()
+        if "mlp" not in parts or parts[-2] not in ("gate_proj", "up_proj", "down_proj"):
             return weight
         if "shared_experts" in parts:
             total = self.moe_intermediate_size * self.n_shared_experts
@@ -248,9 +266,13 @@ def _indexer_types(cfg: dict, layers: int) -> list[str]:
 
 
 class DsaAttention(MultiHeadLatentAttention):
-    def __init__(self, cfg: DsaConfig, layer_idx: int) -> None:
+    """cfg: the rank's share (`DsaConfig.for_rank`): its heads; under tensor parallel the output projection's sums
+    are all-reduced. The latent row and the indexer are whole on every rank, which computes them alike."""
+
+    def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.softmax_scale)
+        self.tp = tp or TensorParallel()
         self.layer_idx = layer_idx
         self.indexer = None
         if cfg.indexer_types[layer_idx] == "full":
@@ -268,14 +290,15 @@ class DsaAttention(MultiHeadLatentAttention):
         q = torch.cat([self.absorb_q(q_nope), q_pe.float()], dim=-1)  # [T, H, kv_lora_rank + rope]
         latent = self.project_latent(x, cos, sin).unsqueeze(1)  # [T, 1, kv_lora_rank + rope]: the one K head
         o_lat = backend.attend(self.layer_idx, q, latent, None, **index)
-        return self.output(o_lat.float(), x.dtype)
+        out = self.output(o_lat.float(), x.dtype)
+        return out if self.tp.dp_attention else self.tp.all_reduce(out)
 
 
 class DsaDecoderLayer(nn.Module):
     def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        self.self_attn = DsaAttention(cfg, layer_idx)
+        self.self_attn = DsaAttention(cfg.for_rank(tp), layer_idx, tp)
         if cfg.mlp_layer_types[layer_idx] == "dense":
             self.mlp: nn.Module = SwiGLU(cfg.hidden_size, tp.share(cfg.intermediate_size)[1])
         else:
@@ -301,6 +324,8 @@ class DsaDecoderLayer(nn.Module):
         tp = self.tp
         if tp.size == 1:
             return self.mlp(x)
+        if not tp.dp_attention:  # every rank has the same tokens
+            return tp.all_reduce(self.mlp(x))
         everyone = tp.all_gather_rows(x, rows_per_rank)
         out = tp.all_reduce(self.mlp(everyone))
         start = sum(rows_per_rank[:tp.rank])
@@ -308,23 +333,25 @@ class DsaDecoderLayer(nn.Module):
 
 
 class DsaModel(nn.Module):
-    def __init__(self, cfg: DsaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: DsaConfig, tp: TensorParallel, vocab: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DsaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DsaForCausalLM(nn.Module):
-    """tp: this rank's place among the ranks (DP attention, `DsaConfig.for_rank`); one rank by default."""
+    """tp: this rank's place among the ranks (`DsaConfig.for_rank`); one rank by default. Under tensor parallel
+    `compute_logits` returns the rank's slice of the vocabulary, under DP attention the whole."""
 
     def __init__(self, cfg: DsaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
         cfg.for_rank(tp)
-        self.model = DsaModel(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vocab_start, vocab = (0, cfg.vocab_size) if tp.dp_attention else tp.share(cfg.vocab_size)
+        self.model = DsaModel(cfg, tp, vocab)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self._rotary: RotaryEmbedding | None = None  # built on first use: never on the meta device
 
     @property
@@ -345,10 +372,11 @@ class DsaForCausalLM(nn.Module):
                 rows_per_rank: list[int] | None = None) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions. rows_per_rank: every
         rank's N this step, under DP attention (a rank with none passes no backend)."""
-        if self.tp.size > 1 and (rows_per_rank is None or len(rows_per_rank) != self.tp.size):
+        if self.tp.dp_attention and (rows_per_rank is None or len(rows_per_rank) != self.tp.size):
             raise ValueError(f"a DP-attention step needs every rank's token count, got {rows_per_rank}")
         cos, sin = self.rotary.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
+        h = embed_vocab_share(self.model.embed_tokens, input_ids, self.vocab_start,
+                              TensorParallel() if self.tp.dp_attention else self.tp)
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend, rows_per_rank)
         return self.model.norm(h)
@@ -393,7 +421,7 @@ def load_dsa_model(path: str | Path, dtype: torch.dtype = torch.float32,
                             shard=lambda name, weight: cfg.shard_weight(name, weight, tp))
     state = {local_name(name): weight for name, weight in state.items()}
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the same rows of the vocabulary
     with torch.device("meta"):
         model = DsaForCausalLM(cfg, tp)
     model.load_state_dict(state, strict=True, assign=True)

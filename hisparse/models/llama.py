@@ -25,6 +25,7 @@ from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.layers.linear import SMALL_WEIGHT_DENSE_FROM, InferenceWeight
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
+from hisparse.layers.vocab_parallel import embed_vocab_share
 from hisparse.models.config import LlamaConfig
 
 
@@ -192,14 +193,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Each rank looks up the tokens of its slice of the vocabulary (zeros for the others); the sum is every
-        token's row."""
-        if self.tp.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.vocab_start
-        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
-        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.dtype)
-        return self.tp.all_reduce(x)
+        return embed_vocab_share(self.embed_tokens, input_ids, self.vocab_start, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head_weight(hidden) if self.lm_head_weight is not None else self.lm_head(hidden)

@@ -71,6 +71,18 @@ def test_two_dp_ranks_give_one_ranks_tokens(tiny_dsa_dir, one_rank, mode, ep_siz
                    k.startswith("prefix_cache")), usage
 
 
+@pytest.mark.parametrize("mode, ep_size", [("baseline", 2), ("hisparse", 1)])
+def test_tensor_parallel_gives_one_ranks_tokens(tiny_dsa_dir, one_rank, mode, ep_size):
+    with LLM(str(tiny_dsa_dir("glm-5")), tp_size=2, ep_size=ep_size, **BASE, **MODES[mode]) as llm:
+        assert [(o.token_ids, o.text) for o in llm.generate(PROMPTS, PARAMS)] == one_rank[mode]
+        usage = llm.engine.rank_usage()
+        assert usage[0] == usage[1]  # every rank holds every token's latent rows
+        stats = llm.stats()
+        assert stats["tp_size"] == 2 and "dp_size" not in stats
+        ranks = stats["ranks"]
+        assert ranks[0] == ranks[1]
+
+
 def test_a_rank_that_cannot_sample_fails_the_step_on_every_rank(tiny_dsa_dir, one_rank, monkeypatch):
     """Rank 0 alone fails to sample (its requests' logits are patched away in this process): every rank gives the
     step up, the requests are aborted, and the next generation is unchanged."""
@@ -103,7 +115,7 @@ def test_shortest_queue_places_requests_on_the_least_loaded_rank(tiny_dsa_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"tp_size": 2}, "runs over 2 ranks with DP attention"),
+    ({"tp_size": 3}, "tp_size 3 is more than the model's 2 attention heads"),
     ({"tp_size": 2, "dp_size": 2}, "without enable_dp_attention"),
     ({"dp_size": 2, "enable_dp_attention": True}, "dp_size must equal tp_size"),
     ({**DP2, "ep_size": 3}, "ep_size must be 1"),
