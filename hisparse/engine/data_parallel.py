@@ -3,12 +3,14 @@ and decodes it in its own cache; rank 0 keeps a stand-in `Request` for each one 
 to date from that rank's report after every step.
 
 Every rank steps together (the MLPs gather every rank's tokens), each on its own batch; a rank's report says what
-its step did to its requests, so that rank 0, which the server talks to, sees every request as if it ran there.
+it sampled for its requests, and rank 0 detokenizes and ends the stand-ins by the same rules as their ranks, so
+the server, which talks to rank 0, sees every request as if it ran there.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hisparse.engine.request import Request, RequestStatus
@@ -18,12 +20,10 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 @dataclass
 class StepReport:
-    """What one DP rank's step did to its requests."""
+    """What one DP rank's step did to its requests, before any rank commits it."""
 
     admitted: list[tuple[str, int]] = field(default_factory=list)  # (id, prompt tokens reused from the cache)
-    # (id, token, text, finish reason): the text the token added, or the whole text once finished (a stop
-    # string may have cut it)
-    tokens: list[tuple[str, int, str, str | None]] = field(default_factory=list)
+    tokens: list[tuple[str, int]] = field(default_factory=list)  # (id, the token sampled)
     error: str | None = None  # the rank could not sample: every rank gives the step up
 
 
@@ -56,29 +56,12 @@ class Placement:
         self.owner.pop(request_id, None)
         return self.remote.pop(request_id, None)
 
-    def apply(self, reports: list[StepReport], now: float) -> tuple[list[Request], list[Request]]:
-        """The other ranks' reports onto their stand-ins: (the ones admitted this step, the ones that produced a
-        token, finished included)."""
-        admitted, produced = [], []
-        for report in reports[1:]:
-            for request_id, cached in report.admitted:
-                request = self.remote[request_id]
-                request.status = RequestStatus.RUNNING
-                request.num_cached_tokens = cached
-                admitted.append(request)
-            for request_id, token, text, finish_reason in report.tokens:
-                request = self.remote[request_id]
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                request.output_token_ids.append(token)
-                if finish_reason is None:
-                    request.output_text += text
-                else:
-                    request.output_text = text
-                    request.status, request.finish_reason = RequestStatus.FINISHED, finish_reason
-                    self.forget(request_id)
-                produced.append(request)
-        return admitted, produced
+    def admitted(self, report: StepReport) -> Iterator[Request]:
+        """The stand-ins another rank admitted in its step, marked running."""
+        for request_id, cached in report.admitted:
+            request = self.remote[request_id]
+            request.status, request.num_cached_tokens = RequestStatus.RUNNING, cached
+            yield request
 
     def count(self, status: RequestStatus) -> int:
         return sum(r.status is status for r in self.remote.values())
@@ -86,7 +69,8 @@ class Placement:
 
 def summed(parts: list[dict]) -> dict:
     """The ranks' counters added up key by key (lists element by element, dicts key by key), a hit rate
-    recomputed from the sums: each DP rank's pools and their counters are its own."""
+    recomputed from the sums (a rank that looked nothing up has none): each DP rank's pools and their counters
+    are its own."""
     out = {}
     for key, value in parts[0].items():
         values = [part[key] for part in parts]
@@ -94,7 +78,7 @@ def summed(parts: list[dict]) -> dict:
             out[key] = summed(values)
         elif isinstance(value, list):
             out[key] = [sum(v) for v in zip(*values, strict=True)]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             out[key] = sum(values)
         else:
             out[key] = value

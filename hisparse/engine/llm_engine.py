@@ -151,7 +151,7 @@ class LLMEngine:
             files.check_quantization(self.config.quantization)
         self.max_model_len = mc.max_position_embeddings
         kind = self.config.kv_kind(model_dtype)
-        # Every rank holds the same tokens: as many as the budget buys of the largest share's rows (rank 0's).
+        # Every rank can hold as many tokens: as many as the budget buys of the largest share's rows (rank 0's).
         layout = mc.for_rank(self.tp).row_layout(kind)
         self._layouts = layout, (mc.for_rank(dataclasses.replace(self.tp, rank=0)).row_layout(kind)
                                  if self.tp.size > 1 else None)
@@ -207,7 +207,7 @@ class LLMEngine:
 
     def _new_cache(self, budget: int):
         """The budget is per rank; `capacity_layout` (tensor parallel: the largest share's rows) decides how many
-        tokens it buys, so that every rank holds the same ones."""
+        tokens it buys, so that every rank can hold as many (tensor parallel: the same ones)."""
         (layout, capacity_layout), sparse, scale = self._layouts, self._sparse, self._attention_scale
         if self.config.enable_hisparse:
             hisparse = self.config.hisparse_config.with_model_top_k(sparse.top_k)
@@ -221,13 +221,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, record_topk: bool | None = None, remote_prefill: bool = False,
-                    hold_kv: bool = False, dp_rank: int | None = None) -> Request | None:
+                    hold_kv: bool = False) -> Request:
         """record_topk: record this request's top-k selections (None = EngineConfig.record_topk).
         remote_prefill, hold_kv: the request's part in prefill-decode disaggregation (`Request`).
-        dp_rank: under DP attention, the rank rank 0 placed it on (rank 0 places it; another rank adds only its
-        own, returning None for the others')."""
-        if dp_rank is not None and dp_rank != self.tp.rank:
-            return None
+        Under DP attention rank 0 places the request on a rank (`engine.data_parallel`), which alone runs it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
@@ -245,6 +242,9 @@ class LLMEngine:
         request = Request(ids, params) if request_id is None else Request(ids, params, request_id)
         request.record_topk = self.config.record_topk if record_topk is None else record_topk
         request.remote_prefill, request.hold_kv = remote_prefill, hold_kv
+        if (remote_prefill or hold_kv) and self.tp.dp_attention:
+            raise RequestError("prefill-decode disaggregation does not run with DP attention: one rank per instance",
+                               "remote_prefill" if remote_prefill else "hold_kv")
         if request.record_topk and self.config.enable_hisparse:
             raise RequestError("record_topk records from the baseline cache: record with enable_hisparse off",
                                "record_topk")
@@ -258,14 +258,23 @@ class LLMEngine:
                                f"capacity of {self.cache.capacity_tokens} tokens; raise the device KV budget",
                                "prompt" if len(ids) >= self.cache.capacity_tokens else "max_tokens",
                                "context_length_exceeded")
-        if self.placement is not None:
-            dp_rank = self.placement.place(request)
-        if dp_rank in (None, self.tp.rank):  # this rank runs it
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        # Rank 0 detokenizes and ends every request, its stand-ins too, by the tokens their ranks report.
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        args = ids, params, request.request_id, request.record_topk, remote_prefill, hold_kv
+        if self.placement is None:
             self.scheduler.add(request)
-        self._mirror("add_request", ids, params, request.request_id, request.record_topk, remote_prefill, hold_kv,
-                     dp_rank)
+            self._mirror("add_request", *args)
+            return request
+        rank = self.placement.place(request)
+        if rank == 0:
+            self.scheduler.add(request)
+        self._mirror("_add_placed", rank, *args)
         return request
+
+    def _add_placed(self, rank: int, *args) -> None:
+        """A rank other than 0, under DP attention: add the request rank 0 placed if it placed it here."""
+        if rank == self.tp.rank:
+            self.add_request(*args)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -334,28 +343,39 @@ class LLMEngine:
             self._check_same_batch(batch)
         if batch is None:
             return []
-        decode_only = not batch.prefill_spans
-        tokens = self.runner.run(batch)
+        produced = self._commit(batch, self.runner.run(batch))
+        self._count_step(start, not batch.prefill_spans, len(produced))
+        return produced
+
+    def _commit(self, batch, tokens: list[int]) -> list[Request]:
+        """The step ran: its rows are in the cache, its tokens go to their requests (which may end)."""
         self.scheduler.advance(batch)
         for span in batch.spans:
             if span.start == span.request.num_cached_tokens:  # its first prompt chunk
-                self.stats.prompt_tokens += span.request.num_prompt_tokens
-                self.stats.cached_prompt_tokens += span.request.num_cached_tokens
+                self._count_prompt(span.request)
         now = time.perf_counter()
         for span, token in zip(batch.sample_spans, tokens, strict=True):
             self._append(span.request, token, now)
+        return [s.request for s in batch.sample_spans]
+
+    def _count_prompt(self, request: Request) -> None:
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += request.num_cached_tokens
+
+    def _count_step(self, start: float, decode_only: bool, tokens: int) -> None:
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
         self.stats.step_seconds += elapsed
         if decode_only:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += elapsed
-            self.stats.decode_tokens += len(tokens)
-        return [s.request for s in batch.sample_spans]
+            self.stats.decode_tokens += tokens
 
     def _step_data_parallel(self, batch, start: float) -> list[Request]:
-        """Every rank steps its own batch (a rank with none still takes part in the MLPs' collectives), then
-        tells rank 0 what it did. A rank that cannot sample makes every rank give the step up."""
+        """Every rank runs its own batch (a rank with none still takes part in the MLPs' collectives) and reports
+        what it sampled; only when every rank could sample does each commit its step, and rank 0 gives the
+        other ranks' tokens to their stand-ins through the same `_append`, so it ends them as their ranks do.
+        A rank that cannot sample makes every rank give the step up before anything changed."""
         rows = 0 if batch is None else len(batch.input_ids)
         counts = self.tp.all_gather_object((rows, batch is not None and bool(batch.prefill_spans)))
         rows_per_rank = [n for n, _ in counts]
@@ -366,43 +386,28 @@ class LLMEngine:
             tokens = self.runner.run(batch, rows_per_rank)
         except SamplingError as error:
             report.error = str(error)
-        own = []
         if batch is not None and report.error is None:
-            self.scheduler.advance(batch)
-            for span in batch.spans:
-                request = span.request
-                if span.start == request.num_cached_tokens:  # its first prompt chunk
-                    report.admitted.append((request.request_id, request.num_cached_tokens))
-                    self.stats.prompt_tokens += request.num_prompt_tokens
-                    self.stats.cached_prompt_tokens += request.num_cached_tokens
-            now = time.perf_counter()
-            for span, token in zip(batch.sample_spans, tokens, strict=True):
-                request = span.request
-                before = len(request.output_text)
-                self._append(request, token, now)
-                text = request.output_text if request.finished else request.output_text[before:]
-                report.tokens.append((request.request_id, token, text, request.finish_reason))
-                own.append(request)
+            report.admitted = [(s.request.request_id, s.request.num_cached_tokens) for s in batch.spans
+                               if s.start == s.request.num_cached_tokens]
+            report.tokens = [(s.request.request_id, t) for s, t in zip(batch.sample_spans, tokens, strict=True)]
         reports = self.tp.all_gather_object(report)
         failed = next((r.error for r in reports if r.error is not None), None)
         if failed is not None:
             raise StepFailed(failed)
-        if self.placement is None:
-            return own
-        admitted, produced = self.placement.apply(reports, time.perf_counter())
-        for request in admitted:
-            self.stats.prompt_tokens += request.num_prompt_tokens
-            self.stats.cached_prompt_tokens += request.num_cached_tokens
-        self.stats.generated_tokens += len(produced)
-        self.stats.finished_requests += sum(r.finished for r in produced)
-        elapsed = time.perf_counter() - start
-        self.stats.steps += 1
-        self.stats.step_seconds += elapsed
-        if not any(prefill for _, prefill in counts):
-            self.stats.decode_steps += 1
-            self.stats.decode_seconds += elapsed
-            self.stats.decode_tokens += len(own) + len(produced)
-        return own + produced
+        produced = [] if batch is None else self._commit(batch, tokens)
+        if self.placement is not None:
+            now = time.perf_counter()
+            for report in reports[1:]:
+                for request in self.placement.admitted(report):
+                    self._count_prompt(request)
+                for request_id, token in report.tokens:
+                    request = self.placement.remote[request_id]
+                    self._append(request, token, now)
+                    produced.append(request)
+            running = len(self.scheduler.running) + self.placement.count(RequestStatus.RUNNING)
+            self.scheduler.peak_running = max(self.scheduler.peak_running, running)  # every rank's
+        self._count_step(start, not any(prefill for _, prefill in counts), len(produced))
+        return produced
 
     def _append(self, request: Request, token: int, now: float) -> None:
         params = request.params
@@ -434,10 +439,9 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
-        if self.placement is not None:
-            self.placement.forget(request.request_id)
-        if request.record_topk and self.config.topk_trace_dir is not None and (self.tp.rank == 0 or
-                                                                                self.tp.dp_attention):
+        stand_in = self.placement is not None and self.placement.forget(request.request_id) is not None
+        if request.record_topk and self.config.topk_trace_dir is not None and not stand_in and (
+                self.tp.rank == 0 or self.tp.dp_attention):  # the rank that ran it saves its selections
             from hisparse.engine.topk_trace import save_request_trace
 
             save_request_trace(self.config.topk_trace_dir, request, self.cache.sparse)
@@ -478,7 +482,7 @@ class LLMEngine:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix.
-        Under DP attention every rank flushes its own now: False when any could not."""
+        Under DP attention every rank flushes its own now: False when any could not (the others did)."""
         if self.placement is not None:
             self.tp.broadcast_object(("flush", self._take_pending()))
             return all(self.tp.all_gather_object(self.cache.prefix.flush()))
@@ -488,6 +492,7 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Zero every counter stats_dict() reports (memory usage is live, not a counter), so that a server's
         metrics start from its first real request, not from its warm-up."""
+        self._mirror("reset_stats")
         self.stats = EngineStats()
         self.runner.forward_seconds = 0.0
         self.scheduler.peak_running = len(self.scheduler.running)
@@ -507,19 +512,19 @@ class LLMEngine:
                "held": len(self.scheduler.held),
                "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
                "memory": self.cache.usage(), "tp_size": self.tp.size, "ranks": self.rank_pools}
-        if self.placement is not None:  # every DP rank's requests and memory
+        counters = getattr(self.cache, "counters", None)
+        if counters is not None:
+            out["swap_in"] = counters.as_dict()
+        if self.placement is not None:  # every DP rank's requests, memory and swap-in counters
             for name, status in (("running", RequestStatus.RUNNING), ("waiting", RequestStatus.WAITING)):
                 out[name] += self.placement.count(status)
             if self.tp.comm is not None:  # each rank's pools are its own: their slots and counters add up
                 self.tp.broadcast_object(("stats", self._take_pending()))
                 ranks = self.tp.all_gather_object(self._rank_counters())
                 out["memory"] = summed([memory for memory, _ in ranks])
-                if "swap_in" in out:
+                if counters is not None:
                     out["swap_in"] = summed([swap_in for _, swap_in in ranks])
             out["dp_size"] = self.tp.size
-        counters = getattr(self.cache, "counters", None)
-        if counters is not None:
-            out["swap_in"] = counters.as_dict()
         return out
 
     # -- tensor parallel: rank 0 leads, the other ranks follow ------------------------------------------------
@@ -537,8 +542,8 @@ class LLMEngine:
         return {"device_kv_bytes": size(cache.kv) + index, "host_kv_bytes": 0}
 
     def rank_usage(self) -> list[dict[str, int]]:
-        """Every rank's `cache.usage()` (slots in use per pool), asked of the ranks now: they hold the same
-        tokens, so a difference is a bug."""
+        """Every rank's `cache.usage()` (slots in use per pool), asked of the ranks now. Tensor-parallel ranks
+        hold the same tokens, so a difference is a bug; DP-attention ranks hold their own requests'."""
         if self.tp.size == 1:
             return [self.cache.usage()]
         self.tp.broadcast_object(("report", self._take_pending()))

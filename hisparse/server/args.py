@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from hisparse.cli_args import OneLineParser, float_in, positive_int, size_flag
+from hisparse.engine.data_parallel import LOAD_BALANCE_METHODS
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from hisparse.layers.linear import QUANTIZATIONS
 
@@ -183,7 +184,7 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                           "pools; the MLPs run over every rank's tokens")
     par.add_argument("--ep-size", dest="ep_size", type=positive_int, default=d.ep_size,
                      help="1: each MoE expert's columns split over the ranks; --tp-size: the experts split")
-    par.add_argument("--load-balance-method", choices=("round_robin", "shortest_queue"), default=d.load_balance_method,
+    par.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
                      help="DP attention: the rank each new request goes to")
     par.add_argument("--nnodes", type=positive_int, default=d.nnodes, help="machines the ranks run on")
     par.add_argument("--node-rank", type=int, default=d.node_rank,

@@ -235,7 +235,8 @@ class EngineLoop:
         stats = self._stats
         running, waiting = stats.get("running", 0), stats.get("waiting", 0)
         newcomers = max(0, self._in_flight - running - waiting)
-        free = 0 if waiting else max(0, self.engine.scheduler.max_running_requests - running)
+        places = self.engine.scheduler.max_running_requests * stats.get("dp_size", 1)  # DP attention: per rank
+        free = 0 if waiting else max(0, places - running)
         return waiting + max(0, newcomers - free)
 
     def _ended(self) -> None:

@@ -77,8 +77,8 @@ class _EngineCollector(Collector):
                 total.add_metric([pool], slots)
                 ratio.add_metric([pool], value / slots if slots else 0.0)
         yield from (used, total, ratio)
-        yield GaugeMetricFamily("hisparse_tp_size", "Tensor-parallel ranks (each holds every token's rows for its "
-                                "share of the KV heads: the slot counts above are every rank's)",
+        yield GaugeMetricFamily("hisparse_tp_size", "Ranks (tensor parallel: each holds every token's rows for its "
+                                "share of the KV heads, the slot counts above are every rank's)",
                                 value=stats.get("tp_size", 1))
         yield GaugeMetricFamily("hisparse_dp_size", "Data-parallel attention ranks (each holds its own requests' "
                                 "rows: the slot counts above are the ranks' summed)", value=stats.get("dp_size", 1))

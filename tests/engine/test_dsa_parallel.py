@@ -1,13 +1,15 @@
-"""DP attention with the MLPs split over the ranks, on a small random DSA checkpoint: two rank processes
-(`tp_size=2, dp_size=2, enable_dp_attention=True`, the experts split with ep_size 2 or each expert's columns
-without) give the tokens one process gives, with the baseline cache and with HiSparse; the requests spread over
-both ranks, each rank holds and frees only its own; what is not implemented is refused with a message."""
+"""A DSA model over two rank processes, on a small random checkpoint, with the MLPs split over the ranks (the
+experts with ep_size 2, each expert's columns without). DP attention (`tp_size=2, dp_size=2,
+enable_dp_attention=True`) gives the tokens one process gives, with the baseline cache and with HiSparse, the
+requests spread over both ranks, each rank holding and freeing only its own; tensor parallel (the heads split,
+every rank every token) gives them too; what cannot run is refused with a message."""
 
 from __future__ import annotations
 
 import pytest
 
 from hisparse.engine import model_runner
+from hisparse.engine.data_parallel import summed
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.model_runner import StepFailed
@@ -53,8 +55,15 @@ def test_two_dp_ranks_give_one_ranks_tokens(tiny_dsa_dir, one_rank, mode, ep_siz
         assert engine.flush_cache()
         usage = engine.rank_usage()
         assert all(v == 0 for u in usage for k, v in u.items() if k.endswith("_slots_used")), usage
-        if mode == "hisparse":
-            assert stats["swap_in"]["misses"] > 0  # rank 0's own pools swapped in
+        if mode == "hisparse":  # the ranks' counters summed
+            assert stats["swap_in"]["misses"] > 0 and engine.cache.counters.as_dict()["misses"] < stats["swap_in"][
+                "misses"]
+        # A stop string cuts the text on rank 0's stand-in as on the rank that runs the request (one of each).
+        text = one_rank[mode][1][1]
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        cut = [(o.text, o.finish_reason) for o in llm.generate([PROMPTS[1]] * 2, SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))]
+        assert cut == [(text[:text.index(stop)], "stop")] * 2
         # A long request on each rank, aborted mid-decode: both ranks held rows, both free them.
         long = [engine.add_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(2)]
         for _ in range(4):
@@ -84,19 +93,20 @@ def test_tensor_parallel_gives_one_ranks_tokens(tiny_dsa_dir, one_rank, mode, ep
 
 
 def test_a_rank_that_cannot_sample_fails_the_step_on_every_rank(tiny_dsa_dir, one_rank, monkeypatch):
-    """Rank 0 alone fails to sample (its requests' logits are patched away in this process): every rank gives the
-    step up, the requests are aborted, and the next generation is unchanged."""
+    """Rank 0 alone fails to sample (sampling is patched away in its process only): every rank gives the step up
+    before committing anything, so the same requests then run on to one rank's tokens."""
     with LLM(str(tiny_dsa_dir("glm-5")), **DP2, ep_size=2, **BASE) as llm:
         engine = llm.engine
-        failing = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        requests = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
         with monkeypatch.context() as patch:
             patch.setattr(model_runner, "sample", lambda logits, requests: 1 / 0)
             with pytest.raises(StepFailed, match="ZeroDivisionError"):
                 while True:
                     engine.step()
-        for request in failing:
-            engine.abort(request.request_id)
-        assert [(o.token_ids, o.text) for o in llm.generate(PROMPTS, PARAMS)] == one_rank["baseline"]
+        assert all(r.output_token_ids == [] for r in requests)  # rank 1 sampled, but kept nothing
+        while engine.has_unfinished:
+            engine.step()
+        assert [(r.output_token_ids, r.output_text) for r in requests] == one_rank["baseline"][:2]
 
 
 def test_shortest_queue_places_requests_on_the_least_loaded_rank(tiny_dsa_dir):
@@ -146,3 +156,10 @@ def test_each_rank_sizes_its_pools_as_the_planner_does(tiny_dsa_dir):
             [(planned.device_slots, planned.logical_capacity)] * 2
         memory = llm.stats()["memory"]
         assert memory["device_slots_total"] == 2 * planned.device_slots
+
+
+def test_counters_add_up_over_ranks_that_looked_up_nothing():
+    rank0 = {"hits": 3, "misses": 1, "hit_rate": 0.75, "swap_in_seconds": 0.5, "per_layer": {"misses": [1, 0]}}
+    rank1 = {"hits": 0, "misses": 0, "hit_rate": None, "swap_in_seconds": 0.0, "per_layer": {"misses": [0, 0]}}
+    assert summed([rank0, rank1]) == rank0
+    assert summed([rank0, rank0])["hit_rate"] == 0.75
