@@ -1,7 +1,7 @@
 """The one prepared script for a GPU machine: the engine end to end on the device against the same run on the
 CPU, for the default model and a DSA checkpoint, then the Triton swap-in against a pinned copy.
 
-    python -m hisparse.bench.gpu_check [--device cuda] [--prompts 4] [--new-tokens 32] [--out FILE.json]
+    python -m hisparse.bench.gpu_check [--device cuda] [--prompts 4] [--new-tokens 32] [--tp N] [--out FILE.json]
 
 1. The default model, float32, HiSparse on (a hot buffer smaller than the prompts, so that the swap-in runs
    on the device, Triton's under `--swap-in-backend auto`) and off: the same greedy requests on `--device`
@@ -12,6 +12,10 @@ CPU, for the default model and a DSA checkpoint, then the Triton swap-in against
    weights, bfloat16 latent rows, FP8 indexer keys).
 3. `hisparse.bench.swap_in_cuda`: every Triton policy checked against the reference, then timed against a
    plain pinned host -> device copy of the same bytes.
+
+`--tp N` (a machine with N GPUs) also runs each pair's engine over N rank processes on the device kind, one GPU
+each, their collectives through NCCL (the default model tensor-parallel, the DSA model with DP attention and its
+experts split), against the same CPU run.
 
 `--device cpu` runs all of it on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
 where the two runs of each pair must agree exactly: the test suite runs it so, so that the script cannot rot
@@ -76,8 +80,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def compare(name: str, model_path: str | None, device: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """Each mode's run on `device` against the CPU's."""
+def compare(name: str, model_path: str | None, device: str, prompts: list[list[int]], new_tokens: int,
+            tp: int = 1) -> list[dict]:
+    """Each mode's run on `device` (and over `tp` ranks on its kind) against the CPU's."""
     rows = []
     files = open_model(model_path)
     cpu_model = files.load(torch.float32, "cpu")
@@ -91,12 +96,23 @@ def compare(name: str, model_path: str | None, device: str, prompts: list[list[i
             engine = LLMEngine(config, model=model, tokenizer=tokenizer)
             check_placement(engine, where)
             runs.append(greedy_run(engine, prompts, new_tokens))
-        (want, cpu_step), (got, device_step) = runs
-        differences = [first_difference(a, b) for a, b in zip(want, got, strict=True)]
-        rows.append({"model": name, "mode": mode, "equal": sum(d is None for d in differences),
-                     "requests": len(prompts),
-                     "first_difference": min((d for d in differences if d is not None), default=None),
-                     "cpu_step_ms": 1e3 * cpu_step, "device_step_ms": 1e3 * device_step})
+        if tp > 1:
+            split = {"dp_size": tp, "enable_dp_attention": True, "ep_size": tp} if model_path else {}
+            config = EngineConfig(model=model_path, dtype="float32", device=torch.device(device).type,
+                                  device_kv_budget=256 << 20, enable_hisparse=hisparse is not None,
+                                  hisparse_config=hisparse, tp_size=tp, **split)
+            engine = LLMEngine(config)
+            try:
+                runs.append(greedy_run(engine, prompts, new_tokens))
+            finally:
+                engine.close()
+        (want, cpu_step), *others = runs
+        for (got, device_step), label in zip(others, [device, f"{device} x tp {tp}"], strict=False):
+            differences = [first_difference(a, b) for a, b in zip(want, got, strict=True)]
+            rows.append({"model": name, "mode": mode, "on": label, "equal": sum(d is None for d in differences),
+                         "requests": len(prompts),
+                         "first_difference": min((d for d in differences if d is not None), default=None),
+                         "cpu_step_ms": 1e3 * cpu_step, "device_step_ms": 1e3 * device_step})
     return rows
 
 
@@ -107,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int_in(1, 64), default=4)
     ap.add_argument("--new-tokens", type=int_in(1, 1024), default=32)
     ap.add_argument("--skip-swap-in", action="store_true", help="the engine checks only")
+    ap.add_argument("--tp", type=int_in(1, 64), default=1, help="also run each engine over this many ranks (GPUs)")
     ap.add_argument("--out", type=output_file, default=None, help="also write the figures as JSON")
     return ap
 
@@ -123,16 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [heldout_tokens(tokenizer, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], offset=211 * i)
                for i in range(args.prompts)]
     report: dict = {"device": args.device, "engine": []}
-    report["engine"] += compare("default", None, args.device, prompts, args.new_tokens)
+    report["engine"] += compare("default", None, args.device, prompts, args.new_tokens, args.tp)
     with tempfile.TemporaryDirectory(prefix="hisparse-gpu-check-") as folder:
         random_checkpoint.main(["--arch", "glm-5", "--out", folder, "--layers", "2", "--index-topk", "32",
                                 "--dtype", "float32"])
-        report["engine"] += compare("random glm-5", folder, args.device, prompts, args.new_tokens)
-    print(f"{'model':<14}{'mode':<10}{'tokens as on the cpu':>22}{'first diff':>11}{'cpu step ms':>12}"
+        report["engine"] += compare("random glm-5", folder, args.device, prompts, args.new_tokens, args.tp)
+    print(f"{'model':<14}{'mode':<10}{'on':<14}{'tokens as on the cpu':>22}{'first diff':>11}{'cpu step ms':>12}"
           f"{'device step ms':>15}")
     for r in report["engine"]:
         diff = "" if r["first_difference"] is None else str(r["first_difference"])
-        print(f"{r['model']:<14}{r['mode']:<10}{r['equal']:>12} of {r['requests']:<6}{diff:>11}"
+        print(f"{r['model']:<14}{r['mode']:<10}{r['on']:<14}{r['equal']:>12} of {r['requests']:<6}{diff:>11}"
               f"{r['cpu_step_ms']:>12.1f}{r['device_step_ms']:>15.1f}")
     if not args.skip_swap_in:
         swap_out = Path(tempfile.mkdtemp(prefix="hisparse-swap-in-")) / "swap_in.json"

@@ -1,12 +1,12 @@
-"""The collectives a tensor-parallel step needs, two ways: through shared memory between the ranks of one
-machine, and through torch.distributed (gloo) between machines.
+"""The collectives a tensor-parallel step needs, two ways: through shared memory between the CPU ranks of one
+machine, and through torch.distributed's process group (gloo between machines, NCCL between GPUs).
 
 A decode step all-reduces twice per layer (60 times for the default model), so the collective's latency is
 the step's: gloo over loopback takes 1.2-1.5 ms per all-reduce of a [1..16, 576] tensor on our 2 cores, a
 shared-memory one 25-29 us (2 processes, one core each; `python -m hisparse.bench.tensor_parallel` prints
 both). That is why vLLM's and SGLang's CPU backends all-reduce through shared memory within a node, as
-`SharedMemoryCommunicator` does; gloo stays for the rendezvous and for ranks on different machines
-(`GlooCommunicator`).
+`SharedMemoryCommunicator` does; gloo stays for the rendezvous and for CPU ranks on different machines, NCCL for
+CUDA ranks (`ProcessGroupCommunicator`).
 
 Every rank ends an all-reduce with the same bits (the shared-memory one sums in rank order on every rank; gloo's
 ring reduces each piece once and hands it out), so the indexer that runs on each rank selects the same top-k
@@ -189,24 +189,27 @@ class SharedMemoryCommunicator:
         return out
 
 
-class GlooCommunicator:
-    """The same collectives through torch.distributed: for ranks that do not share a machine."""
+class ProcessGroupCommunicator:
+    """The same collectives through torch.distributed's process group: gloo for CPU ranks that do not share a
+    machine, NCCL for CUDA ranks (tensors stay on their devices). Objects always go through a gloo group."""
 
     def __init__(self, rank: int, world_size: int, idle_timeout: timedelta = timedelta(days=365)) -> None:
         self.rank, self.world_size = rank, world_size
-        # Workers wait for rank 0's next command in a broadcast for as long as the server is idle.
+        # Workers wait for rank 0's next command in a broadcast for as long as the server is idle; the step's
+        # other objects keep the group's timeout, which ends a step that a hung rank never joins.
         self.commands = dist.new_group(backend="gloo", timeout=idle_timeout)
+        self.objects = dist.new_group(backend="gloo")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
-        x = x.contiguous()
-        padded = torch.zeros(x.shape[0], max(widths), dtype=x.dtype)
+        """An all-gather that only rank 0 keeps (NCCL has all-gather in every version, gather not)."""
+        padded = x.new_zeros(x.shape[0], max(widths))
         padded[:, :x.shape[-1]] = x
-        parts = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
-        dist.gather(padded, parts, dst=0)
+        parts = [torch.empty_like(padded) for _ in widths]
+        dist.all_gather(parts, padded)
         if self.rank != 0:
             return None
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], -1)
@@ -225,5 +228,5 @@ class GlooCommunicator:
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.objects)
         return out

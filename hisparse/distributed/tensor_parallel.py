@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hisparse.distributed.communicator import GlooCommunicator, SharedMemoryCommunicator, shared_bytes
+from hisparse.distributed.communicator import ProcessGroupCommunicator, SharedMemoryCommunicator, shared_bytes
 
 log = logging.getLogger("hisparse.distributed")
 _shared_files: set[str] = set()  # created by this process and not yet unlinked
@@ -46,7 +46,7 @@ class TensorParallel:
     size: int = 1
     dp_attention: bool = False  # each rank attends over its own requests' tokens (DSA models)
     expert_parallel: bool = False  # each rank holds its share of the MoE's experts, not of every expert's columns
-    comm: SharedMemoryCommunicator | GlooCommunicator | None = field(default=None, repr=False)  # set once joined
+    comm: SharedMemoryCommunicator | ProcessGroupCommunicator | None = field(default=None, repr=False)  # once joined
 
     def share(self, total: int) -> tuple[int, int]:
         """(start, length) of this rank's part of `total`."""
@@ -72,13 +72,17 @@ class TensorParallel:
 
 
 def join_group(tp: TensorParallel, init_addr: str, same_machine: bool,
-               timeout: timedelta = timedelta(minutes=5)) -> None:
-    """Join the ranks' torch.distributed group (gloo, rendezvous at init_addr HOST:PORT, served by rank 0) and
-    give `tp` its communicator: shared memory when every rank is on this machine, it is x86 (the communicator
-    relies on its store order) and /dev/shm has the room, gloo otherwise. The shared file is unlinked as soon as
-    every rank has mapped it, and by `remove_shared_files` on the way out of a failed start."""
-    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=tp.rank, world_size=tp.size,
-                            timeout=timeout)
+               timeout: timedelta = timedelta(minutes=5), cuda: bool = False) -> None:
+    """Join the ranks' torch.distributed group (rendezvous at init_addr HOST:PORT, served by rank 0) and give `tp`
+    its communicator. CUDA ranks (each on its own device, set before): NCCL. CPU ranks: gloo, and shared memory
+    for the collectives when every rank is on this machine, it is x86 (the communicator relies on its store
+    order) and /dev/shm has the room. The shared file is unlinked as soon as every rank has mapped it, and by
+    `remove_shared_files` on the way out of a failed start."""
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{init_addr}", rank=tp.rank,
+                            world_size=tp.size, timeout=timeout)
+    if cuda:
+        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size)
+        return
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     usable = same_machine and platform.machine() in ("x86_64", "AMD64", "i386", "i686")
     if usable and shutil.disk_usage(folder).free < 2 * shared_bytes(tp.size):
@@ -88,7 +92,7 @@ def join_group(tp: TensorParallel, init_addr: str, same_machine: bool,
     box = [usable]
     dist.broadcast_object_list(box, src=0)  # rank 0's view decides for all
     if not box[0]:
-        tp.comm = GlooCommunicator(tp.rank, tp.size)
+        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size)
         return
     path = [os.path.join(folder, f"hisparse-tp-{os.getpid()}-{secrets.token_hex(4)}") if tp.rank == 0 else None]
     if tp.rank == 0:

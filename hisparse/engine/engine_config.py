@@ -130,9 +130,9 @@ class EngineConfig:
                 raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         elif self.nnodes > 1:
             raise ValueError("nnodes > 1 needs dist_init_addr: the HOST:PORT of node 0, where the ranks meet")
-        if self.tp_size > 1 and self.device != "cpu":
-            raise ValueError("tensor parallelism runs on the CPU (gloo and shared memory) so far: NCCL on CUDA "
-                             "is not implemented")
+        if self.tp_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} with tp_size > 1: pass cpu, or cuda (each rank takes the GPU of "
+                             "its place on its machine, cuda:0, cuda:1, ...)")
 
     @property
     def ranks_per_node(self) -> int:

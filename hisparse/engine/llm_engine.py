@@ -89,7 +89,8 @@ class LLMEngine:
             bind_cpus(self._cpu_shares[0])
         try:
             error = self._start_rank()
-            join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1)
+            join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1,
+                       cuda=self.config.device.startswith("cuda"))
             reports = self.tp.all_gather_object(error or {**self._pool_bytes(), "config": self._shared_config()})
         except BaseException:  # rank 0 refused the config, or the ranks never met: end those started
             if rank == 0:
@@ -111,6 +112,7 @@ class LLMEngine:
         fields = dataclasses.asdict(self.config)
         for own in ("node_rank", "model"):  # a path may differ by machine; the weights' shapes are checked
             fields.pop(own)
+        fields["device"] = torch.device(self.config.device).type  # each CUDA rank has its own
         return repr({**fields, "model_dtype": str(self.config.model_dtype), "layers": self.model.config.num_layers,
                      "vocab": self.model.config.vocab_size, "capacity": self.cache.capacity_tokens})
 
@@ -128,14 +130,26 @@ class LLMEngine:
         instead of raised, so that every rank learns it and leaves."""
         if self.tp.rank == 0:
             self.workers = WorkerGroup(self.config, list(range(1, self.config.ranks_per_node)), self._cpu_shares[1:])
+            self._take_own_device()
             self._prepare(None, None)  # raises: refused at once
         try:
             if self.tp.rank != 0:
+                self._take_own_device()
                 self._prepare(None, None)
             self._load(None, None)
         except Exception as error:
             return f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
         return None
+
+    def _take_own_device(self) -> None:
+        """A CUDA rank runs on the GPU of its place on its machine, cuda:<local rank> (NCCL's one rank per GPU)."""
+        if self.config.device != "cuda":
+            return
+        local, count = self.tp.rank % self.config.ranks_per_node, torch.cuda.device_count()
+        if count < self.config.ranks_per_node:
+            raise ValueError(f"tp_size {self.config.tp_size} puts {self.config.ranks_per_node} ranks on this machine, "
+                             f"one per GPU, and it has {count}")
+        self.config = dataclasses.replace(self.config, device=f"cuda:{local}")
 
     def _prepare(self, model, tokenizer) -> None:
         files = None if model is not None and tokenizer is not None else open_model(self.config.model)

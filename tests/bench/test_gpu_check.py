@@ -1,5 +1,6 @@
 """The GPU machine's prepared script, run on the CPU so that it cannot rot before a GPU is lent: the engine on
-the "device" gives the CPU run's tokens, for the default model and a DSA checkpoint, HiSparse on and off."""
+the "device" gives the CPU run's tokens, for the default model and a DSA checkpoint, HiSparse on and off, on one
+rank and over two (NCCL's place taken by the CPU's collectives)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from hisparse.bench import gpu_check
 
 def test_the_engine_checks_run_and_agree_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skip-swap-in",
+    assert gpu_check.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skip-swap-in", "--tp", "2",
                            "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    rows = {(r["model"], r["mode"]): r for r in report["engine"]}
-    assert set(rows) == {(m, mode) for m in ("default", "random glm-5") for mode in ("baseline", "hisparse")}
+    rows = {(r["model"], r["mode"], r["on"]): r for r in report["engine"]}
+    assert set(rows) == {(m, mode, on) for m in ("default", "random glm-5") for mode in ("baseline", "hisparse")
+                         for on in ("cpu", "cpu x tp 2")}
     assert all(r["equal"] == r["requests"] == 2 and r["first_difference"] is None for r in rows.values())
     assert "tokens as on the cpu" in capsys.readouterr().out
 

@@ -89,6 +89,18 @@ def test_more_ranks_than_kv_heads_is_refused_at_once():
     assert not worker_processes()
 
 
+def test_cuda_ranks_take_one_gpu_each(monkeypatch):
+    """Each CUDA rank runs on cuda:<its local rank>: fewer GPUs than ranks is refused before anything loads, and
+    a device index cannot be given with several ranks."""
+    with pytest.raises(ValueError, match="pass cpu, or cuda"):
+        EngineConfig(tp_size=2, device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks on this machine, one per GPU, and it has 1"):
+        LLM(tp_size=2, device="cuda", **BASE)
+    assert not worker_processes()
+
+
 def test_a_rank_that_fails_to_load_refuses_the_start(tmp_path, tokenizer):
     """A checkpoint whose LM head is cut short: rank 0's rows of it are there, rank 1's are not."""
     from safetensors.torch import save_file
