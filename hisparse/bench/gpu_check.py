@@ -14,8 +14,8 @@ CPU, for the default model and a DSA checkpoint, then the Triton swap-in against
    plain pinned host -> device copy of the same bytes.
 
 `--tp N` (a machine with N GPUs) also runs each pair's engine over N rank processes on the device kind, one GPU
-each, their collectives through NCCL (the default model tensor-parallel, the DSA model with DP attention and its
-experts split), against the same CPU run.
+each, their collectives through NCCL (the default model tensor-parallel while N is at most its 3 KV heads; the
+DSA model tensor-parallel and with DP attention, its experts split), against the same CPU run.
 
 `--device cpu` runs all of it on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
 where the two runs of each pair must agree exactly: the test suite runs it so, so that the script cannot rot
@@ -96,24 +96,36 @@ def compare(name: str, model_path: str | None, device: str, prompts: list[list[i
             engine = LLMEngine(config, model=model, tokenizer=tokenizer)
             check_placement(engine, where)
             runs.append(greedy_run(engine, prompts, new_tokens))
-        if tp > 1:
-            split = {"dp_size": tp, "enable_dp_attention": True, "ep_size": tp} if model_path else {}
+        labels = [device]
+        for label, split in parallel_splits(model_path, tp, files.config):
             config = EngineConfig(model=model_path, dtype="float32", device=torch.device(device).type,
                                   device_kv_budget=256 << 20, enable_hisparse=hisparse is not None,
-                                  hisparse_config=hisparse, tp_size=tp, **split)
+                                  hisparse_config=hisparse, **split)
             engine = LLMEngine(config)
             try:
                 runs.append(greedy_run(engine, prompts, new_tokens))
             finally:
                 engine.close()
+            labels.append(f"{device} x {label}")
         (want, cpu_step), *others = runs
-        for (got, device_step), label in zip(others, [device, f"{device} x tp {tp}"], strict=False):
+        for (got, device_step), label in zip(others, labels, strict=True):
             differences = [first_difference(a, b) for a, b in zip(want, got, strict=True)]
             rows.append({"model": name, "mode": mode, "on": label, "equal": sum(d is None for d in differences),
                          "requests": len(prompts),
                          "first_difference": min((d for d in differences if d is not None), default=None),
                          "cpu_step_ms": 1e3 * cpu_step, "device_step_ms": 1e3 * device_step})
     return rows
+
+
+def parallel_splits(model_path: str | None, tp: int, config) -> list[tuple[str, dict]]:
+    """The ways to run the model over `tp` ranks: tensor parallel (a Llama model up to its KV heads), and for a DSA
+    model DP attention too, the experts split."""
+    if tp == 1:
+        return []
+    if model_path is None:
+        return [(f"tp {tp}", {"tp_size": tp})] if tp <= config.num_kv_heads else []
+    return [(f"tp {tp}", {"tp_size": tp, "ep_size": tp}),
+            (f"dp {tp}", {"tp_size": tp, "dp_size": tp, "enable_dp_attention": True, "ep_size": tp})]
 
 
 def build_parser() -> argparse.ArgumentParser:

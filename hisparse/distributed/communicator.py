@@ -193,23 +193,23 @@ class ProcessGroupCommunicator:
     """The same collectives through torch.distributed's process group: gloo for CPU ranks that do not share a
     machine, NCCL for CUDA ranks (tensors stay on their devices). Objects always go through a gloo group."""
 
-    def __init__(self, rank: int, world_size: int, idle_timeout: timedelta = timedelta(days=365)) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: timedelta,
+                 idle_timeout: timedelta = timedelta(days=365)) -> None:
         self.rank, self.world_size = rank, world_size
         # Workers wait for rank 0's next command in a broadcast for as long as the server is idle; the step's
         # other objects keep the group's timeout, which ends a step that a hung rank never joins.
         self.commands = dist.new_group(backend="gloo", timeout=idle_timeout)
-        self.objects = dist.new_group(backend="gloo")
+        self.objects = dist.new_group(backend="gloo", timeout=timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
-        """An all-gather that only rank 0 keeps (NCCL has all-gather in every version, gather not)."""
         padded = x.new_zeros(x.shape[0], max(widths))
         padded[:, :x.shape[-1]] = x
-        parts = [torch.empty_like(padded) for _ in widths]
-        dist.all_gather(parts, padded)
+        parts = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
+        dist.gather(padded, parts, dst=0)
         if self.rank != 0:
             return None
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], -1)

@@ -81,7 +81,7 @@ def join_group(tp: TensorParallel, init_addr: str, same_machine: bool,
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{init_addr}", rank=tp.rank,
                             world_size=tp.size, timeout=timeout)
     if cuda:
-        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size)
+        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size, timeout)
         return
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     usable = same_machine and platform.machine() in ("x86_64", "AMD64", "i386", "i686")
@@ -92,7 +92,7 @@ def join_group(tp: TensorParallel, init_addr: str, same_machine: bool,
     box = [usable]
     dist.broadcast_object_list(box, src=0)  # rank 0's view decides for all
     if not box[0]:
-        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size)
+        tp.comm = ProcessGroupCommunicator(tp.rank, tp.size, timeout)
         return
     path = [os.path.join(folder, f"hisparse-tp-{os.getpid()}-{secrets.token_hex(4)}") if tp.rank == 0 else None]
     if tp.rank == 0:

@@ -133,6 +133,9 @@ class EngineConfig:
         if self.tp_size > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} with tp_size > 1: pass cpu, or cuda (each rank takes the GPU of "
                              "its place on its machine, cuda:0, cuda:1, ...)")
+        if self.tp_size > 1 and self.device == "cuda" and self.device_kv_budget is None:
+            raise ValueError("device_kv_budget is needed with tp_size > 1 on CUDA (per rank): what each GPU leaves "
+                             "free differs, and every rank must size its cache alike")
 
     @property
     def ranks_per_node(self) -> int:

@@ -5,6 +5,7 @@ Not thread-safe by design: exactly one thread drives `step()`; the server talks 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -149,7 +150,8 @@ class LLMEngine:
         if count < self.config.ranks_per_node:
             raise ValueError(f"tp_size {self.config.tp_size} puts {self.config.ranks_per_node} ranks on this machine, "
                              f"one per GPU, and it has {count}")
-        self.config = dataclasses.replace(self.config, device=f"cuda:{local}")
+        self.config = copy.copy(self.config)  # not `replace`: the config refuses a device index with several ranks
+        self.config.device = f"cuda:{local}"
 
     def _prepare(self, model, tokenizer) -> None:
         files = None if model is not None and tokenizer is not None else open_model(self.config.model)
@@ -400,20 +402,22 @@ class LLMEngine:
             tokens = self.runner.run(batch, rows_per_rank)
         except SamplingError as error:
             report.error = str(error)
-        if batch is not None and report.error is None:
+        if batch is not None:  # admitted even when the step fails, as on one rank
             report.admitted = [(s.request.request_id, s.request.num_cached_tokens) for s in batch.spans
                                if s.start == s.request.num_cached_tokens]
-            report.tokens = [(s.request.request_id, t) for s, t in zip(batch.sample_spans, tokens, strict=True)]
+            if report.error is None:
+                report.tokens = [(s.request.request_id, t) for s, t in zip(batch.sample_spans, tokens, strict=True)]
         reports = self.tp.all_gather_object(report)
+        admitted = [] if self.placement is None else [r for rep in reports[1:] for r in self.placement.admitted(rep)]
         failed = next((r.error for r in reports if r.error is not None), None)
         if failed is not None:
             raise StepFailed(failed)
         produced = [] if batch is None else self._commit(batch, tokens)
+        for request in admitted:
+            self._count_prompt(request)
         if self.placement is not None:
             now = time.perf_counter()
             for report in reports[1:]:
-                for request in self.placement.admitted(report):
-                    self._count_prompt(request)
                 for request_id, token in report.tokens:
                     request = self.placement.remote[request_id]
                     self._append(request, token, now)

@@ -13,6 +13,7 @@ from hisparse.engine.data_parallel import summed
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.model_runner import StepFailed
+from hisparse.engine.request import RequestStatus
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.llm import LLM
 from hisparse.memory.hisparse_config import HiSparseConfig
@@ -104,6 +105,7 @@ def test_a_rank_that_cannot_sample_fails_the_step_on_every_rank(tiny_dsa_dir, on
                 while True:
                     engine.step()
         assert all(r.output_token_ids == [] for r in requests)  # rank 1 sampled, but kept nothing
+        assert all(r.status is RequestStatus.RUNNING for r in requests)  # both admitted: a server fails both
         while engine.has_unfinished:
             engine.step()
         assert [(r.output_token_ids, r.output_text) for r in requests] == one_rank["baseline"][:2]
