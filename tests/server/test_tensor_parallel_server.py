@@ -135,10 +135,13 @@ def test_a_dsa_model_with_dp_attention_answers_as_one_rank(tp_server, dsa_dir, d
     assert not any(alive(pid) for pid in ranks)
 
 
-@pytest.mark.parametrize("fault, words", [(signal.SIGKILL, "rank 1 died (exit code -9)"),
-                                          (signal.SIGSTOP, "rank 1 hung (stopped")], ids=["killed", "stopped"])
-def test_a_lost_rank_ends_the_server_in_one_line(tp_server, fault, words):
-    server = tp_server("--skip-server-warmup")
+@pytest.mark.parametrize("fault, words, dsa", [(signal.SIGKILL, "rank 1 died (exit code -9)", False),
+                                               (signal.SIGSTOP, "rank 1 hung (stopped", False),
+                                               (signal.SIGKILL, "rank 1 died (exit code -9)", True)],
+                         ids=["killed", "stopped", "killed-dp-attention"])
+def test_a_lost_rank_ends_the_server_in_one_line(tp_server, request, fault, words, dsa):
+    flags = ["--model-path", request.getfixturevalue("dsa_dir"), *DP_FLAGS] if dsa else []
+    server = tp_server("--skip-server-warmup", *flags)
     (rank,) = ranks_of(server.process.pid)
     started = time.monotonic()
     os.kill(rank, fault)
