@@ -39,6 +39,7 @@ from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.models.deepseek_v32 import DsaConfig
 from hisparse.models.loader import open_model
 from hisparse.tools import random_checkpoint
 
@@ -89,19 +90,16 @@ def compare(name: str, model_path: str | None, device: str, prompts: list[list[i
     device_model = cpu_model if device == "cpu" else files.load(torch.float32, device)
     tokenizer = files.tokenizer()
     for mode, hisparse in (("baseline", None), ("hisparse", HISPARSE)):
+        common = dict(model=model_path, dtype="float32", device_kv_budget=256 << 20,
+                      enable_hisparse=hisparse is not None, hisparse_config=hisparse)
         runs = []
         for where, model in (("cpu", cpu_model), (device, device_model)):
-            config = EngineConfig(model=model_path, dtype="float32", device=where, device_kv_budget=256 << 20,
-                                  enable_hisparse=hisparse is not None, hisparse_config=hisparse)
-            engine = LLMEngine(config, model=model, tokenizer=tokenizer)
+            engine = LLMEngine(EngineConfig(device=where, **common), model=model, tokenizer=tokenizer)
             check_placement(engine, where)
             runs.append(greedy_run(engine, prompts, new_tokens))
         labels = [device]
-        for label, split in parallel_splits(model_path, tp, files.config):
-            config = EngineConfig(model=model_path, dtype="float32", device=torch.device(device).type,
-                                  device_kv_budget=256 << 20, enable_hisparse=hisparse is not None,
-                                  hisparse_config=hisparse, **split)
-            engine = LLMEngine(config)
+        for label, split in parallel_splits(tp, files.config):
+            engine = LLMEngine(EngineConfig(device=torch.device(device).type, **common, **split))
             try:
                 runs.append(greedy_run(engine, prompts, new_tokens))
             finally:
@@ -117,12 +115,12 @@ def compare(name: str, model_path: str | None, device: str, prompts: list[list[i
     return rows
 
 
-def parallel_splits(model_path: str | None, tp: int, config) -> list[tuple[str, dict]]:
+def parallel_splits(tp: int, config) -> list[tuple[str, dict]]:
     """The ways to run the model over `tp` ranks: tensor parallel (a Llama model up to its KV heads), and for a DSA
     model DP attention too, the experts split."""
     if tp == 1:
         return []
-    if model_path is None:
+    if not isinstance(config, DsaConfig):
         return [(f"tp {tp}", {"tp_size": tp})] if tp <= config.num_kv_heads else []
     return [(f"tp {tp}", {"tp_size": tp, "ep_size": tp}),
             (f"dp {tp}", {"tp_size": tp, "dp_size": tp, "enable_dp_attention": True, "ep_size": tp})]

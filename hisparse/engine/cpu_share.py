@@ -15,8 +15,9 @@ import math
 import os
 import time
 
-import numba
 import torch
+
+from hisparse.engine.workers import set_threads
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
@@ -54,7 +55,6 @@ class CpuShare:
         self.max_threads = max_threads or torch.get_num_threads()
         self.interval = interval
         self.threads = self.max_threads
-        self.others = 0.0  # cores the rest of the machine used over the last interval
         self._last = (time.monotonic(), _cpu_busy_ticks(self.cpus), _own_ticks())
 
     def threads_for(self, others: float) -> int:
@@ -70,10 +70,9 @@ class CpuShare:
         self._last = (now, busy, own)
         if None in (busy, own, busy_then, own_then):
             return self.threads
-        self.others = max(0.0, (busy - busy_then) - (own - own_then)) / TICKS_PER_SECOND / (now - then)
-        threads = self.threads_for(self.others)
+        others = max(0.0, (busy - busy_then) - (own - own_then)) / TICKS_PER_SECOND / (now - then)  # their cores
+        threads = self.threads_for(others)
         if threads != self.threads:
-            torch.set_num_threads(threads)
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            set_threads(threads)
             self.threads = threads
         return threads

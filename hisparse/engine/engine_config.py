@@ -137,6 +137,17 @@ class EngineConfig:
             raise ValueError("device_kv_budget is needed with tp_size > 1 on CUDA (per rank): what each GPU leaves "
                              "free differs, and every rank must size its cache alike")
 
+    def rank_device(self, rank: int) -> str:
+        """The device rank `rank` runs on: the config's, or with several CUDA ranks the GPU of its place on its
+        machine, cuda:<local rank> (NCCL's one rank per GPU)."""
+        if self.tp_size == 1 or self.device != "cuda":
+            return self.device
+        count = torch.cuda.device_count()
+        if count < self.ranks_per_node:
+            raise ValueError(f"tp_size {self.tp_size} puts {self.ranks_per_node} ranks on this machine, one per GPU, "
+                             f"and it has {count}")
+        return f"cuda:{rank % self.ranks_per_node}"
+
     @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes

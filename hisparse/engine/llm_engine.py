@@ -5,7 +5,6 @@ Not thread-safe by design: exactly one thread drives `step()`; the server talks 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import time
@@ -69,9 +68,10 @@ class LLMEngine:
         c = self.config
         self.tp = TensorParallel(rank, c.tp_size, dp_attention=c.enable_dp_attention and c.tp_size > 1,
                                  expert_parallel=c.ep_size > 1)
+        self.device = c.device  # with several CUDA ranks, this rank's GPU (`EngineConfig.rank_device`)
         self.workers: WorkerGroup | None = None
         self._pending: list[tuple[str, tuple]] = []  # rank 0: commands the other ranks have not seen yet
-        self.placement = Placement(c.tp_size, c.load_balance_method) if self.tp.dp_attention and rank == 0 else None
+        self.placement = Placement(self.dp_size, c.load_balance_method) if self.dp_size > 1 and rank == 0 else None
         if self.tp.size == 1:
             self._prepare(model, tokenizer)
             self._load(model, tokenizer)
@@ -91,7 +91,7 @@ class LLMEngine:
         try:
             error = self._start_rank()
             join_group(self.tp, self.config.dist_init_addr, same_machine=self.config.nnodes == 1,
-                       cuda=self.config.device.startswith("cuda"))
+                       cuda=self.device.startswith("cuda"))
             reports = self.tp.all_gather_object(error or {**self._pool_bytes(), "config": self._shared_config()})
         except BaseException:  # rank 0 refused the config, or the ranks never met: end those started
             if rank == 0:
@@ -113,7 +113,6 @@ class LLMEngine:
         fields = dataclasses.asdict(self.config)
         for own in ("node_rank", "model"):  # a path may differ by machine; the weights' shapes are checked
             fields.pop(own)
-        fields["device"] = torch.device(self.config.device).type  # each CUDA rank has its own
         return repr({**fields, "model_dtype": str(self.config.model_dtype), "layers": self.model.config.num_layers,
                      "vocab": self.model.config.vocab_size, "capacity": self.cache.capacity_tokens})
 
@@ -131,27 +130,16 @@ class LLMEngine:
         instead of raised, so that every rank learns it and leaves."""
         if self.tp.rank == 0:
             self.workers = WorkerGroup(self.config, list(range(1, self.config.ranks_per_node)), self._cpu_shares[1:])
-            self._take_own_device()
+            self.device = self.config.rank_device(0)
             self._prepare(None, None)  # raises: refused at once
         try:
             if self.tp.rank != 0:
-                self._take_own_device()
+                self.device = self.config.rank_device(self.tp.rank)
                 self._prepare(None, None)
             self._load(None, None)
         except Exception as error:
             return f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
         return None
-
-    def _take_own_device(self) -> None:
-        """A CUDA rank runs on the GPU of its place on its machine, cuda:<local rank> (NCCL's one rank per GPU)."""
-        if self.config.device != "cuda":
-            return
-        local, count = self.tp.rank % self.config.ranks_per_node, torch.cuda.device_count()
-        if count < self.config.ranks_per_node:
-            raise ValueError(f"tp_size {self.config.tp_size} puts {self.config.ranks_per_node} ranks on this machine, "
-                             f"one per GPU, and it has {count}")
-        self.config = copy.copy(self.config)  # not `replace`: the config refuses a device index with several ranks
-        self.config.device = f"cuda:{local}"
 
     def _prepare(self, model, tokenizer) -> None:
         files = None if model is not None and tokenizer is not None else open_model(self.config.model)
@@ -160,8 +148,8 @@ class LLMEngine:
         if model is not None:
             mc, indexer, model_dtype = model.config, model.indexer_spec(key_kind), model.dtype
             where = next(model.parameters()).device
-            if where != torch.device(self.config.device):
-                raise ValueError(f"the model's weights are on {where}, the engine's device is {self.config.device}")
+            if where != torch.device(self.device):
+                raise ValueError(f"the model's weights are on {where}, the engine's device is {self.device}")
         else:  # what loading will build (the default model gets its shipped indexers)
             mc, indexer, model_dtype = files.config, files.indexer_spec(key_kind), self.config.model_dtype
             files.check_quantization(self.config.quantization)
@@ -181,15 +169,15 @@ class LLMEngine:
             except OSError as error:
                 raise ValueError(f"topk_trace_dir {str(self.config.topk_trace_dir)!r} cannot be created: "
                                  f"{error.strerror}") from None
-        if torch.device(self.config.device).type == "cuda":  # Triton launches on the current device
-            torch.cuda.set_device(torch.device(self.config.device))
+        if torch.device(self.device).type == "cuda":  # Triton launches on the current device
+            torch.cuda.set_device(torch.device(self.device))
         budget = self.config.kv_budget_before_weights()
         self._attention_scale = mc.attention_scale
         self.cache = None if budget is None else self._new_cache(budget)
 
     def _load(self, model, tokenizer) -> None:
         files = self._files
-        self.model = model if model is not None else files.load(self.config.model_dtype, self.config.device, self.tp,
+        self.model = model if model is not None else files.load(self.config.model_dtype, self.device, self.tp,
                                                                  self.config.quantization)
         if self.cache is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -199,7 +187,7 @@ class LLMEngine:
                                    self.config.chunked_prefill_size)
         self.runner = ModelRunner(self.model, self.cache, self.tp)
         # A tensor-parallel rank keeps the cores it was given; one engine alone on a CPU shares them (cpu_share).
-        adapt = self.config.adaptive_threads and self.tp.size == 1 and self.config.device == "cpu"
+        adapt = self.config.adaptive_threads and self.tp.size == 1 and self.device == "cpu"
         self.cpu_share = CpuShare() if adapt else None
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # one per unfinished request
@@ -228,9 +216,9 @@ class LLMEngine:
         if self.config.enable_hisparse:
             hisparse = self.config.hisparse_config.with_model_top_k(sparse.top_k)
             return HiSparseKVCache(layout, hisparse, budget, sparse, self.config.max_running_requests,
-                                   self.max_model_len, scale, self.config.device,
+                                   self.max_model_len, scale, self.device,
                                    self.config.swap_in_backend, self.config.enable_prefix_caching, capacity_layout)
-        return PagedKVCache.from_budget(layout, budget, scale, self.config.device, sparse,
+        return PagedKVCache.from_budget(layout, budget, scale, self.device, sparse,
                                         self.config.enable_prefix_caching, capacity_layout)
 
     # -- requests -------------------------------------------------------------------------------
@@ -246,8 +234,7 @@ class LLMEngine:
             raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
                                "sampling_params")
         params.validate()
-        if request_id is not None and (request_id in self._detokenizers or
-                                       self.placement is not None and request_id in self.placement.owner):
+        if request_id is not None and request_id in self._detokenizers:  # rank 0 detokenizes every request
             raise RequestError(f"request_id {request_id!r} is already in use by an unfinished request", "request_id")
         vocab = self.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
@@ -320,6 +307,11 @@ class LLMEngine:
         return request
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel attention ranks: each rank under DP attention, else one."""
+        return self.tp.size if self.tp.dp_attention else 1
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self.placement is not None and bool(self.placement.remote)
 
@@ -366,9 +358,8 @@ class LLMEngine:
     def _commit(self, batch, tokens: list[int]) -> list[Request]:
         """The step ran: its rows are in the cache, its tokens go to their requests (which may end)."""
         self.scheduler.advance(batch)
-        for span in batch.spans:
-            if span.start == span.request.num_cached_tokens:  # its first prompt chunk
-                self._count_prompt(span.request)
+        for request in _admitted_in(batch):
+            self._count_prompt(request)
         now = time.perf_counter()
         for span, token in zip(batch.sample_spans, tokens, strict=True):
             self._append(span.request, token, now)
@@ -402,9 +393,9 @@ class LLMEngine:
             tokens = self.runner.run(batch, rows_per_rank)
         except SamplingError as error:
             report.error = str(error)
-        if batch is not None:  # admitted even when the step fails, as on one rank
-            report.admitted = [(s.request.request_id, s.request.num_cached_tokens) for s in batch.spans
-                               if s.start == s.request.num_cached_tokens]
+        if batch is not None and self.tp.rank != 0:  # rank 0 reads the others' reports
+            # admitted even when the step fails, as on one rank
+            report.admitted = [(r.request_id, r.num_cached_tokens) for r in _admitted_in(batch)]
             if report.error is None:
                 report.tokens = [(s.request.request_id, t) for s, t in zip(batch.sample_spans, tokens, strict=True)]
         reports = self.tp.all_gather_object(report)
@@ -502,8 +493,7 @@ class LLMEngine:
         """Empty the prefix cache; False (and nothing flushed) while a running request reuses a cached prefix.
         Under DP attention every rank flushes its own now: False when any could not (the others did)."""
         if self.placement is not None:
-            self.tp.broadcast_object(("flush", self._take_pending()))
-            return all(self.tp.all_gather_object(self.cache.prefix.flush()))
+            return all(self._ask_ranks("_flush_own"))
         self._mirror("flush_cache")
         return self.cache.prefix.flush()
 
@@ -537,12 +527,11 @@ class LLMEngine:
             for name, status in (("running", RequestStatus.RUNNING), ("waiting", RequestStatus.WAITING)):
                 out[name] += self.placement.count(status)
             if self.tp.comm is not None:  # each rank's pools are its own: their slots and counters add up
-                self.tp.broadcast_object(("stats", self._take_pending()))
-                ranks = self.tp.all_gather_object(self._rank_counters())
+                ranks = self._ask_ranks("_rank_counters")
                 out["memory"] = summed([memory for memory, _ in ranks])
                 if counters is not None:
                     out["swap_in"] = summed([swap_in for _, swap_in in ranks])
-            out["dp_size"] = self.tp.size
+            out["dp_size"] = self.dp_size
         return out
 
     # -- tensor parallel: rank 0 leads, the other ranks follow ------------------------------------------------
@@ -564,12 +553,19 @@ class LLMEngine:
         hold the same tokens, so a difference is a bug; DP-attention ranks hold their own requests'."""
         if self.tp.size == 1:
             return [self.cache.usage()]
-        self.tp.broadcast_object(("report", self._take_pending()))
-        return self.tp.all_gather_object(self.cache.usage())
+        return [usage for usage, _ in self._ask_ranks("_rank_counters")]
+
+    def _ask_ranks(self, method: str) -> list:
+        """Rank 0: every rank's answer to its own `method()` (a follower answers in `follow`), in rank order."""
+        self.tp.broadcast_object((method, self._take_pending()))
+        return self.tp.all_gather_object(getattr(self, method)())
 
     def _rank_counters(self) -> tuple[dict, dict | None]:
         counters = getattr(self.cache, "counters", None)
         return self.cache.usage(), None if counters is None else counters.as_dict()
+
+    def _flush_own(self) -> bool:
+        return self.cache.prefix.flush()
 
     def _mirror(self, name: str, *args) -> None:
         """Rank 0: a call that changes the engine's state, for the other ranks to make before the next step."""
@@ -595,14 +591,8 @@ class LLMEngine:
                 getattr(self, name)(*args)
             if kind == "stop":
                 break
-            if kind == "report":
-                self.tp.all_gather_object(self.cache.usage())
-                continue
-            if kind == "stats":
-                self.tp.all_gather_object(self._rank_counters())
-                continue
-            if kind == "flush":
-                self.tp.all_gather_object(self.cache.prefix.flush())
+            if kind != "step":  # a question `_ask_ranks` put to every rank
+                self.tp.all_gather_object(getattr(self, kind)())
                 continue
             try:
                 self.step()
@@ -633,3 +623,8 @@ class LLMEngine:
         if self.tp.size > 1 and self.tp.rank == 0 and self.tp.comm is not None:
             self._stop_ranks()
             self.tp.comm = None
+
+
+def _admitted_in(batch) -> list[Request]:
+    """The requests whose first prompt chunk the batch holds: admitted by this step's schedule."""
+    return [s.request for s in batch.spans if s.start == s.request.num_cached_tokens]

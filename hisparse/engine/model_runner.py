@@ -47,19 +47,20 @@ class ModelRunner:
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), backend, *extra)
         logits = self.model.compute_logits(hidden[batch.sample_indices.to(self.device)])
         self.forward_seconds += time.perf_counter() - start
-        if self.tp.size == 1 or self.tp.dp_attention:  # this rank's requests, from the whole vocabulary
+        requests = [s.request for s in batch.sample_spans]
+        if self.tp.size == 1:
+            return sample(logits.float(), requests)
+        if self.tp.dp_attention:  # this rank's requests, from the whole vocabulary
             try:
-                return sample(logits.float(), [s.request for s in batch.sample_spans])
+                return sample(logits.float(), requests)
             except Exception as error:
-                if self.tp.size == 1:
-                    raise
                 raise SamplingError(f"{type(error).__name__}: {error}") from error
         # Tensor parallel: each rank has its slice of the vocabulary; rank 0 samples, every rank takes its tokens.
         logits = self.tp.gather_last_dim(logits.float(), self.model.config.vocab_size)
         tokens = None
         if self.tp.rank == 0:
             try:
-                tokens = sample(logits, [s.request for s in batch.sample_spans])
+                tokens = sample(logits, requests)
             except Exception as error:
                 tokens = f"{type(error).__name__}: {error}"
         tokens = self.tp.broadcast_object(tokens)

@@ -75,7 +75,7 @@ def _run_warm_up(engine: LLMEngine, prompt: list[int]) -> None:
 def _run_one(engine: LLMEngine, prompt: list[int]) -> None:
     """One request (under DP attention one per rank, each placed in turn), its prefill run in full: what it left
     in the prefix cache is dropped after it."""
-    for _ in range(engine.config.dp_size if engine.config.enable_dp_attention else 1):
+    for _ in range(engine.dp_size):
         engine.add_request(prompt, WARM_UP_PARAMS)
     while engine.has_unfinished:
         engine.step()

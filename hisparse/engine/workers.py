@@ -46,12 +46,16 @@ def bind_cpus(cpus: list[int]) -> None:
     many threads (numba's count is the calling thread's own): ranks on separate cores never spin against each
     other's OpenMP teams, and a team never has more threads than its cores (two spinning threads on one core
     made a batch-16 decode step 7x slower). No CPUs: one thread, no binding."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    set_threads(max(1, len(cpus)))
+
+
+def set_threads(threads: int) -> None:
+    """torch's parallel loops and numba's (the calling thread's count, at most numba's pool) on `threads`."""
     import numba
     import torch
 
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    threads = max(1, len(cpus))
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 

@@ -46,14 +46,10 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor
     packed: torch.Tensor
 
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.scales_and_zeros.shape[0]
-
     def dequantize(self) -> torch.Tensor:
         out, width = self.q.shape
         scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
-        grouped = (self.q.view(out, -1, self.group).float() - 8) * scales[..., None] + zeros[..., None]
+        grouped = (self.q.view(out, -1, INT4_GROUP).float() - 8) * scales[..., None] + zeros[..., None]
         return grouped.view(out, width)
 
 
@@ -91,7 +87,7 @@ def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torc
     """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for)."""
     if isinstance(weight, Int8Weight):
         return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, weight.group, weight.scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
 
 
 def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:

@@ -28,6 +28,7 @@ class IndexerKeyCache:
         # A row for every layer, GLM's shared layers too, though they write none: the sizing (here, in the pools'
         # and in the planner's) counts every layer.
         self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
+        self.compiled_write = self.format.kind == "int8" and self.rows.device.type == "cpu"
         self.allocator = SlotAllocator(num_slots)
 
     @property
@@ -37,7 +38,7 @@ class IndexerKeyCache:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [N, index_dim] (float) go to rows `slots` [N] of `layer` (int8 rows on the CPU in one compiled
         loop, `kernels.index_keys_cpu`; the same bytes)."""
-        if self.format.kind == "int8" and self.rows.device.type == "cpu":
+        if self.compiled_write:
             write_int8_keys(self.rows[layer], slots, keys)
         else:
             self.rows[layer].index_copy_(0, slots, self.format.pack(keys))

@@ -295,10 +295,12 @@ class DsaAttention(MultiHeadLatentAttention):
 
 
 class DsaDecoderLayer(nn.Module):
+    """cfg: the rank's share (`DsaConfig.for_rank`: its heads); the MLPs take their shares here."""
+
     def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        self.self_attn = DsaAttention(cfg.for_rank(tp), layer_idx, tp)
+        self.self_attn = DsaAttention(cfg, layer_idx, tp)
         if cfg.mlp_layer_types[layer_idx] == "dense":
             self.mlp: nn.Module = SwiGLU(cfg.hidden_size, tp.share(cfg.intermediate_size)[1])
         else:
@@ -348,9 +350,9 @@ class DsaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
-        cfg.for_rank(tp)
         self.vocab_start, vocab = (0, cfg.vocab_size) if tp.dp_attention else tp.share(cfg.vocab_size)
-        self.model = DsaModel(cfg, tp, vocab)
+        self.vocab_tp = TensorParallel() if tp.dp_attention else tp  # the ranks the vocabulary splits over
+        self.model = DsaModel(cfg.for_rank(tp), tp, vocab)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self._rotary: RotaryEmbedding | None = None  # built on first use: never on the meta device
 
@@ -375,8 +377,7 @@ class DsaForCausalLM(nn.Module):
         if self.tp.dp_attention and (rows_per_rank is None or len(rows_per_rank) != self.tp.size):
             raise ValueError(f"a DP-attention step needs every rank's token count, got {rows_per_rank}")
         cos, sin = self.rotary.cos_sin(positions)
-        h = embed_vocab_share(self.model.embed_tokens, input_ids, self.vocab_start,
-                              TensorParallel() if self.tp.dp_attention else self.tp)
+        h = embed_vocab_share(self.model.embed_tokens, input_ids, self.vocab_start, self.vocab_tp)
         for layer in self.model.layers:
             h = layer(h, cos, sin, backend, rows_per_rank)
         return self.model.norm(h)

@@ -155,7 +155,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head_weight: InferenceWeight | None = None
-        self.quantization = "none"
 
     @property
     def attention_scale(self) -> float:
@@ -178,7 +177,6 @@ class LlamaForCausalLM(nn.Module):
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)
         self.lm_head_weight = InferenceWeight(self.lm_head.weight)
-        self.quantization = quantization
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.layers.linear import QUANTIZATIONS
 from hisparse.models.config import LlamaConfig
 from hisparse.models.deepseek_v32 import DsaConfig, load_dsa_model
 from hisparse.models.default_model import default_model_path
@@ -286,7 +287,7 @@ def _load_dsa(files: ModelFiles, dtype: torch.dtype, device: str | torch.device,
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(_llama_config, _load_llama, ("none", "int8", "int4")),
+    "LlamaForCausalLM": Architecture(_llama_config, _load_llama, QUANTIZATIONS),
     "DeepseekV32ForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
     "GlmMoeDsaForCausalLM": Architecture(DsaConfig.from_hf, _load_dsa),
 }

@@ -32,10 +32,11 @@ results = {
     "bf16": tp.all_reduce(torch.full((7,), 0.5 + rank, dtype=torch.bfloat16)),
     "object": tp.broadcast_object({"from": rank, "blob": blob} if rank == 0 else None),
     "all": tp.all_gather_object(("rank", rank)),
-    # DP attention: each rank's tokens, a rank with none among them; rank 1's 600k rows of 8 go over a slot
+    # DP attention: each rank's tokens, a rank with none among them; rank 1's 300k rows of 8 go over a slot
     "rows": tp.all_gather_rows(torch.arange(rank * 3, dtype=torch.float32).view(rank, 3) + 10 * rank,
                                [r for r in range(world)]),
-    "many rows": tp.all_gather_rows(torch.full((300_000 * rank, 8), float(rank)), [300_000 * r for r in range(world)]),
+    "many rows": tp.all_gather_rows(torch.arange(300_000 * rank * 8, dtype=torch.float32).view(-1, 8) + rank,
+                                    [300_000 * r for r in range(world)]),
 }
 leave_group()
 with open(out, "wb") as f:
@@ -83,5 +84,5 @@ def test_collectives_match_rank_order_sums_on_every_rank(tmp_path, world, same_m
     assert all(r["object"] == {"from": 0, "blob": blob} for r in results)
     assert all(r["all"] == [("rank", k) for k in range(world)] for r in results)
     rows = torch.cat([torch.arange(r * 3, dtype=torch.float32).view(r, 3) + 10 * r for r in range(world)])
-    many = torch.cat([torch.full((300_000 * r, 8), float(r)) for r in range(world)])
+    many = torch.cat([torch.arange(300_000 * r * 8, dtype=torch.float32).view(-1, 8) + r for r in range(world)])
     assert all(torch.equal(r["rows"], rows) and torch.equal(r["many rows"], many) for r in results)

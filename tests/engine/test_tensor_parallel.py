@@ -12,7 +12,6 @@ import numba
 import pytest
 import torch
 
-from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.engine import model_runner
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
@@ -104,12 +103,8 @@ def test_cuda_ranks_take_one_gpu_each(monkeypatch):
     assert not worker_processes()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     for rank, nodes, device in ((1, 1, "cuda:1"), (3, 2, "cuda:1"), (2, 2, "cuda:0")):
-        engine = LLMEngine.__new__(LLMEngine)  # only the device choice, on a config two nodes share
-        engine.config = EngineConfig(tp_size=4, device="cuda", nnodes=nodes, dist_init_addr="127.0.0.1:1",
-                                     **BASE)
-        engine.tp = TensorParallel(rank, 4)
-        engine._take_own_device()
-        assert engine.config.device == device
+        config = EngineConfig(tp_size=4, device="cuda", nnodes=nodes, dist_init_addr="127.0.0.1:1", **BASE)
+        assert config.rank_device(rank) == device
 
 
 def test_a_rank_that_fails_to_load_refuses_the_start(tmp_path, tokenizer):

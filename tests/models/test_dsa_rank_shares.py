@@ -32,3 +32,8 @@ def test_the_ranks_mlp_outputs_add_up_to_the_whole(tiny_dsa_dir, expert_parallel
     # nothing but the MLPs differs: a rank holds fewer bytes, the attention and the vocabulary whole
     assert all(sum(p.numel() for p in s.parameters()) < sum(p.numel() for p in whole.parameters()) for s in shares)
     assert all(s.lm_head.weight.equal(whole.lm_head.weight) for s in shares)
+    everything = dict(whole.named_parameters())
+    for share in shares:
+        for name, p in share.named_parameters():
+            if ".mlp." not in name or ".mlp.gate." in name:  # attention, norms, router, vocabulary: whole
+                assert p.equal(everything[name]), name
