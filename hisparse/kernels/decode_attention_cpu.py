@@ -49,8 +49,10 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     """[B, Hq, D] in q's dtype: softmax((q . K) * scale) V over the pool rows rows[b, j] >= 0 of each request.
 
     pool [N, 2 * Hkv * D] float32 or bfloat16 (a row is K then V, heads in order, as the caches store
-    them, contiguous); rows [B, L] int64, each -1 or a row of the pool; q [B, Hq, D] with Hq a multiple of
-    Hkv (query head h reads KV head h // (Hq / Hkv)). The compiled loops check no index, so this does.
+    them, contiguous); rows [B, L] int64, each -1 or a row of the pool; q [B, Hq, D] float32 or bfloat16 (any
+    strides: the model's slice of its rotated heads) with Hq a multiple of Hkv (query head h reads KV head
+    h // (Hq / Hkv)). A bfloat16 q is widened and the output rounded to bfloat16 (to nearest even, as `.to`
+    does) inside the kernel: at one token the conversions around it cost more than the attention.
     """
     if pool.dtype not in (torch.float32, torch.bfloat16) or pool.dim() != 2 or not pool.is_contiguous():
         raise ValueError(f"the pool must be a contiguous 2-d float32 or bfloat16 tensor, got {pool.dim()}-d "
@@ -61,21 +63,23 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     if dim != head_dim or num_heads % num_kv_heads or pool.shape[1] != 2 * num_kv_heads * head_dim:
         raise ValueError(f"q {tuple(q.shape)} and pool rows of {pool.shape[1]} do not fit {num_kv_heads} KV heads "
                          f"of {head_dim}")
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     group = num_heads // num_kv_heads
     raw = pool.view(torch.int16) if pool.dtype == torch.bfloat16 else pool
     # Every index in the loops is a loop variable of its own axis: numba then needs no negative-index fix-up,
     # and the loops over a head's dims vectorize (with `base + d` into flat rows they did not: 4x slower).
     flat = raw.numpy()  # [N, W], what the prefetch reads a row of
     words = flat.reshape(pool.shape[0], 2, num_kv_heads, head_dim)
-    queries = q.to(torch.float32).contiguous().numpy().reshape(batch, num_kv_heads, group, head_dim)
-    out = np.empty((batch, num_kv_heads, group, head_dim), np.float32)
+    bfloat16_q = q.dtype == torch.bfloat16
+    queries = (q.view(torch.int16) if bfloat16_q else q).numpy().reshape(batch, num_kv_heads, group, head_dim)
+    out = np.empty((batch, num_kv_heads, group, head_dim), np.int16 if bfloat16_q else np.float32)
     index = rows.numpy()
-    if index.size and (index.max() >= pool.shape[0] or index.min() < -1):
-        raise ValueError(f"rows must be -1 or in [0, {pool.shape[0]}), got {index.min()} .. {index.max()}")
-    serial, parallel = _kernels(num_kv_heads, group, head_dim)
+    serial, parallel = _kernels(num_kv_heads, group, head_dim, pool.dtype == torch.bfloat16, bfloat16_q)
     kernel = parallel if index.size >= PARALLEL_MIN_ROWS else serial
-    kernel(words, flat, pool.dtype == torch.bfloat16, index, queries, np.float32(scale), out)
-    return torch.from_numpy(out).view(batch, num_heads, head_dim).to(q.dtype)
+    if not kernel(words, flat, index, queries, np.float32(scale), out):
+        raise ValueError(f"rows must be -1 or in [0, {pool.shape[0]}), got {index.min()} .. {index.max()}")
+    return torch.from_numpy(out).view(q.dtype).view(batch, num_heads, head_dim)
 
 
 @njit(cache=True)
@@ -118,8 +122,9 @@ def _softmax_numerators(scores, powers, powers_as_float):
 
 
 def _read_half(pool, bfloat16, row, which, tile, tile_bits, k):
-    """K (which 0) or V (1) of pool row `row` into tile[k] as float32; a `bfloat16` pool is int16 bits
-    (tile_bits is the tile's memory as uint32)."""
+    """K (which 0) or V (1) of pool row `row` into tile[k] [H, D] as float32; a `bfloat16` pool is int16 bits
+    (tile_bits is the tile's memory as uint32). bfloat16 is a constant of the compiled code: tested at run
+    time, it kept the loops below from vectorizing (the kernel took 1.6x as long)."""
     if bfloat16:
         for h in range(tile.shape[1]):
             for d in range(tile.shape[2]):
@@ -130,21 +135,43 @@ def _read_half(pool, bfloat16, row, which, tile, tile_bits, k):
                 tile[k, h, d] = pool[row, which, h, d]
 
 
-def _score_tile(queries, b, tile, filled, positions, scale, scores):
-    """scores[h, g, positions[k]] for the first `filled` K halves of the tile (the others are zeros or
-    rows already scored, and are not stored)."""
-    for h in range(scores.shape[0]):
-        for g in range(scores.shape[1]):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for d in range(tile.shape[2]):
-                qd = queries[b, h, g, d]
-                s0 += qd * tile[0, h, d]
-                s1 += qd * tile[1, h, d]
-                s2 += qd * tile[2, h, d]
-                s3 += qd * tile[3, h, d]
-            sums = (s0, s1, s2, s3)
-            for k in range(filled):
-                scores[h, g, positions[k]] = sums[k] * scale
+@njit(cache=True)
+def _rows_within(rows, num_rows):
+    """Whether every entry of rows is -1 or a row below num_rows: the compiled loops check no index."""
+    for b in range(rows.shape[0]):
+        for j in range(rows.shape[1]):
+            if rows[b, j] < -1 or rows[b, j] >= num_rows:
+                return False
+    return True
+
+
+def _score_rows(pool, flat, bfloat16, rows, queries, scale, b, keys, key_bits, scores, line):
+    """scores[h, g, j] <- (q_hg . K_j[h]) * scale for each of request b's rows j (-inf where rows[b, j] is -1);
+    returns how many rows are valid. keys [1, H, D] float32 scratch, key_bits the same memory as uint32. Each row's
+    K half is widened once and scored by every query head that shares it; every store is a plain scalar one
+    (a tile of rows written to their scores at once compiled to scatters, half the kernel's time)."""
+    num_kv_heads, group, length = scores.shape
+    for j in range(min(_PREFETCH_AHEAD, length)):
+        _prefetch_row(flat, rows[b, j], line)
+    valid = 0
+    for j in range(length):
+        if j + _PREFETCH_AHEAD < length:
+            _prefetch_row(flat, rows[b, j + _PREFETCH_AHEAD], line)
+        r = rows[b, j]
+        if r < 0:
+            for h in range(num_kv_heads):
+                for g in range(group):
+                    scores[h, g, j] = -np.inf
+            continue
+        valid += 1
+        _read_half(pool, bfloat16, r, 0, keys, key_bits, 0)
+        for h in range(num_kv_heads):
+            for g in range(group):
+                s = np.float32(0.0)
+                for d in range(keys.shape[2]):
+                    s += queries[0, h, g, d] * keys[0, h, d]
+                scores[h, g, j] = s * scale
+    return valid
 
 
 def _accumulate_tile(tile, weights, acc):
@@ -159,41 +186,28 @@ def _accumulate_tile(tile, weights, acc):
                 acc[h, g, d] += p0 * tile[0, h, d] + p1 * tile[1, h, d] + p2 * tile[2, h, d] + p3 * tile[3, h, d]
 
 
-def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b, tile, acc):
-    """Request b's output. tile [TILE_ROWS, H, D] and acc [H, G, D] are zeros from the caller, whose
-    shapes are constants of the compiled code: every loop bound below is read from them. The tile must be
-    zeros, not np.empty: a request with fewer rows than a tile leaves slots unwritten, and their weight 0
-    times a NaN of uninitialized memory would be NaN."""
+def _attend_request(pool, flat, bfloat16, rows, raw_queries, bfloat16_q, scale, out, b, keys, tile, acc):
+    """Request b's output. keys [1, H, D], tile [TILE_ROWS, H, D] and acc [H, G, D] are zeros from the caller,
+    whose shapes are constants of the compiled code: every loop bound below is read from them. The tile must
+    be zeros, not np.empty: a request with fewer rows than a tile leaves slots unwritten, and their weight 0
+    times a NaN of uninitialized memory would be NaN. raw_queries and out: float32, or bfloat16 as int16 bits
+    (bfloat16_q)."""
     num_kv_heads, group, _ = acc.shape
     length = rows.shape[1]
+    queries = np.empty((1, num_kv_heads, group, acc.shape[2]), np.float32)  # request b's, widened
+    query_bits = queries.view(np.uint32)
+    for h in range(num_kv_heads):
+        for g in range(group):
+            for d in range(acc.shape[2]):
+                if bfloat16_q:
+                    query_bits[0, h, g, d] = np.uint32(np.uint16(raw_queries[b, h, g, d])) << 16
+                else:
+                    queries[0, h, g, d] = raw_queries[b, h, g, d]
     scores = np.empty((num_kv_heads, group, length), np.float32)
-    tile_bits = tile.view(np.uint32)
-    positions = np.empty(TILE_ROWS, np.int64)
-    line = line_step(flat)
-    for j in range(min(_PREFETCH_AHEAD, length)):
-        _prefetch_row(flat, rows[b, j], line)
-    valid = 0
-    filled = 0
-    for j in range(length):
-        if j + _PREFETCH_AHEAD < length:
-            _prefetch_row(flat, rows[b, j + _PREFETCH_AHEAD], line)
-        r = rows[b, j]
-        if r < 0:
-            for h in range(num_kv_heads):
-                for g in range(group):
-                    scores[h, g, j] = -np.inf
-            continue
-        valid += 1
-        _read_half(pool, bfloat16, r, 0, tile, tile_bits, filled)
-        positions[filled] = j
-        filled += 1
-        if filled == TILE_ROWS:
-            _score_tile(queries, b, tile, filled, positions, scale, scores)
-            filled = 0
-    if filled:
-        _score_tile(queries, b, tile, filled, positions, scale, scores)
+    valid = _score_rows(pool, flat, bfloat16, rows, queries, scale, b, keys, keys.view(np.uint32), scores,
+                        line_step(flat))
     if valid == 0:
-        out[b] = 0.0
+        out[b] = 0
         return
     totals = np.empty((num_kv_heads, group), np.float32)
     powers = np.empty(length, np.int32)
@@ -202,6 +216,7 @@ def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b, tile, ac
         for g in range(group):
             totals[h, g] = _softmax_numerators(scores[h, g], powers, powers_as_float)
     weights = np.zeros((num_kv_heads, group, TILE_ROWS), np.float32)
+    tile_bits = tile.view(np.uint32)
     filled = 0
     for j in range(length):
         r = rows[b, j]
@@ -221,40 +236,54 @@ def _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b, tile, ac
                 for k in range(filled, TILE_ROWS):
                     weights[h, g, k] = 0.0
         _accumulate_tile(tile, weights, acc)
+    acc_bits = acc.view(np.uint32)
     for h in range(num_kv_heads):
         for g in range(group):
             inverse = np.float32(1.0) / totals[h, g]
             for d in range(acc.shape[2]):
-                out[b, h, g, d] = acc[h, g, d] * inverse
+                acc[h, g, d] *= inverse
+                if bfloat16_q:  # to nearest even: add half an ulp of bfloat16, less one unless the kept bit is odd
+                    bits = acc_bits[h, g, d]
+                    out[b, h, g, d] = np.int16(np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16))
+                else:
+                    out[b, h, g, d] = acc[h, g, d]
 
 
 # Inlined at numba's level into each driver below (which compile them with the same fastmath flags), where
 # the scratch shapes are constants.
-_read_half, _score_tile, _accumulate_tile, _attend_request = (
+_read_half, _score_rows, _accumulate_tile, _attend_request = (
     njit(fastmath=_FASTMATH, cache=True, inline="always")(f)
-    for f in (_read_half, _score_tile, _accumulate_tile, _attend_request))
+    for f in (_read_half, _score_rows, _accumulate_tile, _attend_request))
 
 
 @functools.cache
-def _kernels(num_kv_heads: int, group: int, head_dim: int):
-    """(serial, parallel) drivers for this head layout. They capture the layout as integer constants and
-    hand `_attend_request` scratch of constant shape, from which LLVM (inlining it) learns every loop bound.
-    Only integers are captured, so numba's disk cache finds them again (a closure that captures another
-    compiled function gets a new cache key in every process, and is compiled anew each time)."""
-    H, G, D = num_kv_heads, group, head_dim
+def _kernels(num_kv_heads: int, group: int, head_dim: int, bfloat16: bool, bfloat16_q: bool):
+    """(serial, parallel) drivers for this head layout, pool dtype and query dtype, each returning False (having
+    done nothing) when a row is out of range. They capture the layout as integer
+    constants and hand `_attend_request` scratch of constant shape, from which LLVM (inlining it) learns every
+    loop bound. Only integers and a bool are captured, so numba's disk cache finds them again (a closure that
+    captures another compiled function gets a new cache key in every process, and is compiled anew each
+    time)."""
+    H, G, D, BF16, BF16_Q = num_kv_heads, group, head_dim, bfloat16, bfloat16_q
 
     # Serial and parallel drivers are separate functions: numba's disk cache keys compiled code by the Python
     # function and the argument types, not by `parallel`.
     @njit(fastmath=_FASTMATH, cache=True)
-    def serial(pool, flat, bfloat16, rows, queries, scale, out):
+    def serial(pool, flat, rows, queries, scale, out):
+        if not _rows_within(rows, pool.shape[0]):
+            return False
         for b in range(rows.shape[0]):
-            _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b,
+            _attend_request(pool, flat, BF16, rows, queries, BF16_Q, scale, out, b, np.zeros((1, H, D), np.float32),
                             np.zeros((TILE_ROWS, H, D), np.float32), np.zeros((H, G, D), np.float32))
+        return True
 
     @njit(fastmath=_FASTMATH, parallel=True, cache=True)
-    def parallel(pool, flat, bfloat16, rows, queries, scale, out):
+    def parallel(pool, flat, rows, queries, scale, out):
+        if not _rows_within(rows, pool.shape[0]):
+            return False
         for b in prange(rows.shape[0]):
-            _attend_request(pool, flat, bfloat16, rows, queries, scale, out, b,
+            _attend_request(pool, flat, BF16, rows, queries, BF16_Q, scale, out, b, np.zeros((1, H, D), np.float32),
                             np.zeros((TILE_ROWS, H, D), np.float32), np.zeros((H, G, D), np.float32))
+        return True
 
     return serial, parallel

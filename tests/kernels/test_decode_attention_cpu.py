@@ -54,6 +54,24 @@ def test_matches_gather_and_sdpa(batch, length, heads, dtype, q_dtype, parallel,
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_bfloat16_query_is_read_in_place_and_rounded_as_to_does(parallel):
+    """A bfloat16 q, a strided slice of the model's rotated heads as the model passes it: the kernel's own
+    widening and rounding give the very bits of widening first and rounding the float32 output with `.to`."""
+    torch.manual_seed(0)
+    pool = torch.randn(300, 2 * 3 * 64).bfloat16()
+    rows = torch.randint(0, 300, (4, 50))
+    rows[1, ::3] = -1
+    heads = torch.randn(4, 12, 64).bfloat16()  # 9 query heads, then 3 key heads, as the model rotates them
+    q = heads[:, :9]
+    assert not q.is_contiguous()
+    with patch.object(decode_attention_cpu, "PARALLEL_MIN_ROWS", 0 if parallel else 1 << 60):
+        got = sparse_decode_attention(pool, rows, q, 0.125, 3, 64)
+        want = sparse_decode_attention(pool, rows, q.float(), 0.125, 3, 64).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_a_request_without_rows_gets_zeros_and_the_others_are_unaffected():
     pool = torch.randn(10, 2 * 2 * 8)
     rows = torch.tensor([[-1, -1, -1], [3, -1, 7]])
