@@ -116,6 +116,42 @@ def test_engine_sparse_equals_dense_while_the_context_fits_top_k(llama, tokenize
     assert sparse.output_token_ids == dense.output_token_ids
 
 
+def test_indexer_queries_skipped_until_a_context_outgrows_top_k(llama, tokenizer, monkeypatch):
+    """Steps that score nothing (dense prefill, decode contexts within top_k) skip the indexer's queries but
+    store its keys: the tokens and the stored keys are those of computing the queries in every step, and the
+    queries are computed again from the step whose context outgrows top_k."""
+    from hisparse.attention import paged
+    from hisparse.layers.indexer import LlamaIndexer
+
+    def run(always):
+        if always:
+            monkeypatch.setattr(paged, "reads_index_queries", lambda *args: True)
+        computed = []
+        original = LlamaIndexer.from_projection
+        monkeypatch.setattr(LlamaIndexer, "from_projection",
+                            lambda self, *a: computed.append(1) or original(self, *a))
+        engine = make_engine(llama, tokenizer, top_k=32)
+        request = engine.add_request("The Python documentation says that a for loop",
+                                     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        engine.step()
+        slots = torch.as_tensor(request.kv.index_slots[:request.num_prompt_tokens + 29]).clone()
+        while not request.finished:
+            engine.step()
+        keys = engine.cache.index_cache.rows[:, slots].clone()  # released with the request, not overwritten
+        monkeypatch.undo()
+        return request, keys, len(computed)
+
+    skipping, keys, computed = run(always=False)
+    every_step, keys_every_step, computed_every_step = run(always=True)
+    prompt = skipping.num_prompt_tokens
+    assert prompt < 32 < skipping.num_tokens
+    assert skipping.output_token_ids == every_step.output_token_ids
+    assert torch.equal(keys, keys_every_step)
+    layers = llama.config.num_layers
+    assert computed_every_step == layers * 30  # the prompt in one step, then 29 decode steps
+    assert computed == layers * (skipping.num_tokens - 1 - 32)  # the decode steps over more than 32 positions
+
+
 def test_engine_records_topk_traces(llama, tokenizer, tmp_path):
     from hisparse.data.pydoc_corpus import heldout_tokens
 

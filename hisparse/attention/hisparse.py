@@ -15,7 +15,7 @@ from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
-from hisparse.attention.step_selection import StepSelection, rows_of
+from hisparse.attention.step_selection import StepSelection, reads_index_queries, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -77,12 +77,13 @@ class HiSparseAttention:
             slice(s.offset, s.offset + s.length), torch.from_numpy(s.request.kv.host_rows[:s.end]),
             torch.from_numpy(s.request.kv.index_slots[:s.end]).to(cache.device) if selects else None,
             torch.arange(s.start, s.end, device=cache.device) if selects else None) for s in batch.prefill_spans]
+        width = max((s.end for s in self.decode), default=0)
+        self.reads_index_queries = reads_index_queries(cache.sparse, bool(self.prefill), width)
         if not self.decode:
             return
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
         self.decode_offsets = torch.tensor([s.offset for s in self.decode], device=cache.device)
         self.lengths = self.step.lengths
-        width = max(s.end for s in self.decode)
         # Built on the host and copied every step (batch x context int64): a device-side table of each row's
         # indexer slots, beside `host_rows`, would save the copy.
         self.index_slots = torch.stack([torch.nn.functional.pad(

@@ -22,7 +22,7 @@ from hisparse.attention.functional import attend_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
-from hisparse.attention.step_selection import StepSelection, rows_of
+from hisparse.attention.step_selection import StepSelection, reads_index_queries, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -130,10 +130,12 @@ class PagedAttention:
         if cache.index_cache is not None:
             self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
         self.trace_steps = {}
+        width = max((s.end for s in self.decode), default=0)
+        self.reads_index_queries = self.selection is not None and reads_index_queries(cache.sparse, bool(self.prefill),
+                                                                                      width)
         if self.decode:
             on_device = {"device": cache.device}
             self.decode_lengths = torch.tensor([s.end for s in self.decode], **on_device)
-            width = max(s.end for s in self.decode)
             self.decode_rows = torch.stack([  # -1: past a request's length
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
             self.decode_offsets = torch.tensor([s.offset for s in self.decode], **on_device)

@@ -18,6 +18,13 @@ def rows_of(tensor: torch.Tensor | None, index) -> torch.Tensor | None:
     return None if tensor is None else tensor[index]
 
 
+def reads_index_queries(sparse: SparseAttention, selecting_prefill: bool, decode_width: int) -> bool:
+    """Whether a step's attention scores positions with the indexer (`AttentionBackend.reads_index_queries`):
+    prompt chunks that select, or a decode context of more than top_k positions (`StepSelection.decode` takes
+    every position of a shorter one unscored)."""
+    return (selecting_prefill and sparse.sparse_prefill) or decode_width > sparse.top_k
+
+
 class StepSelection:
     def __init__(self, sparse: SparseAttention, selector: IndexSelector) -> None:
         self.sparse = sparse

@@ -105,6 +105,13 @@ class LlamaIndexer(LightningIndexer):
         qk = rotation(torch.cat([q.view(n, heads, dim), self.k_norm(k).unsqueeze(1)], dim=1))
         return qk[:, :heads], qk[:, heads], self.finish_weights(w)
 
+    def key_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation) -> torch.Tensor:
+        """`from_projection`'s key alone (the same numbers: the rotation is elementwise), for a step whose
+        attention reads no indexer queries (`AttentionBackend.reads_index_queries`)."""
+        start = self.n_heads * self.head_dim
+        k = projected[:, start:start + self.head_dim].float()
+        return rotation(self.k_norm(k).unsqueeze(1))[:, 0]
+
 
 def attach_indexers(model, config: IndexerConfig) -> list[LlamaIndexer]:
     """Give every attention layer of `model` a fresh (untrained, float32) indexer; return them in order."""

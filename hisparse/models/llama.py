@@ -97,8 +97,11 @@ class LlamaAttention(nn.Module):
         if self.indexer is not None:
             projected = (self.index_proj(x) if self.indexer is self._prepared_indexer
                          else F.linear(x.float(), self.indexer.projection_weight()))
-            index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
-            index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
+            if getattr(backend, "reads_index_queries", True):
+                index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
+                index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
+            else:  # the keys are stored for later steps; nothing scores this one
+                index = {"index_k": self.indexer.key_from_projection(projected, index_rope)}
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
         return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
 
