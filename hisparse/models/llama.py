@@ -173,13 +173,13 @@ class LlamaForCausalLM(nn.Module):
         return None if config is None else config.spec(key_kind)
 
     def prepare_for_inference(self, quantization: str = "none") -> None:
-        """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head stays dense
-        (prepacked, it reads as fast as int8 here, and every token's logit comes from it). When tied, the
-        embedding keeps its own table for token lookups (in float32 the head has its own copy)."""
+        """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head, the largest
+        single read of a decode step, goes to int8 at most (per vocabulary row: the GGUF stores it in 8 bits,
+        Q8_0). When tied, the embedding keeps its own table for token lookups."""
         for layer in self.layers:
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)
-        self.lm_head_weight = InferenceWeight(self.lm_head.weight)
+        self.lm_head_weight = InferenceWeight(self.lm_head.weight, "int8" if quantization == "int4" else quantization)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
