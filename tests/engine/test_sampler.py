@@ -104,6 +104,16 @@ def test_greedy_decoding_takes_the_adjusted_logits():
     assert sample(logits.repeat(3, 1), [plain, biased, penalised]) == [VOCAB - 1, 4, VOCAB - 2]
 
 
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([-1.0, 0.0, 2.5, 7.0]), min_size=VOCAB, max_size=VOCAB), min_size=1,
+                     max_size=4))
+def test_greedy_tokens_are_argmax_ties_included(rows):
+    """Greedy takes the first largest logit, as argmax does, ties (a few distinct values) included."""
+    logits = torch.tensor(rows)
+    requests = [Request([1], SamplingParams(temperature=0.0)) for _ in rows]
+    assert sample(logits, requests) == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("kwargs, field", [({"presence_penalty": 2.5}, "presence_penalty"),
                                            ({"frequency_penalty": -3}, "frequency_penalty"),
                                            ({"logit_bias": {5: 101.0}}, "logit_bias"),
