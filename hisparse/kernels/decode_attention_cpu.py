@@ -30,14 +30,15 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from hisparse.kernels.numba_threads import choose_threading_layer
+from hisparse.kernels.numba_threads import choose_threading_layer, on_torch_team
 from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2
 
 choose_threading_layer()
 
-# batch x rows from which requests run in parallel: at batch 16 and 257 rows a step took 0.957x as long with
-# the parallel loop (two engines stepping in turn); the engine's other short parallel regions lost.
-PARALLEL_MIN_ROWS = 4096
+# batch x rows from which requests run in parallel. On torch's own OpenMP team (numba_threads) a parallel region
+# costs a wake-up: int4 engine steps at batch 8 / 6 and ~100-token contexts (about 1k and 700 rows) took 0.94x /
+# 0.96x as long with 1024 as with 4096, the two thresholds taking turns every 10 steps (medians of 16).
+PARALLEL_MIN_ROWS = 1024 if on_torch_team() else 4096
 TILE_ROWS = 4  # rows per tile; the kernels below spell out the four sums (s0..s3) and weights (p0..p3)
 _FASTMATH = {"reassoc", "contract", "nsz"}  # lets the dot products vectorize; -inf must stay -inf
 _PREFETCH_AHEAD = 8  # rows: each row, K and V, is asked for this many rows before its scores
