@@ -10,6 +10,10 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   instead of 16 is what counts; from there on the kernel's in-register dequantization costs more than the
   bytes it saves. The dense forms then hold the *dequantized* weights, so every path multiplies by the same
   numbers. Quantization trades memory for speed here: the dense forms stay.
+
+"q8_0" (the LM head's, not a `--quantization` choice) keeps llama.cpp's blocks of 32 with one scale each and
+multiplies batches of 1 or 2 with int8 dot products, x rounded per block (`kernels.q8_0_matmul_cpu`); where
+that kernel cannot run it is "int8".
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hisparse.kernels import q8_0_matmul_cpu
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 from hisparse.kernels.weight_only_matmul import (
     Int4Weight,
@@ -30,7 +35,7 @@ from hisparse.kernels.weight_only_matmul import (
 QUANTIZATIONS = ("none", "int8", "int4")
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
 # stack of linears (2-core Xeon with AMX).
-DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
+DENSE_FROM_BATCH = {"int8": 3, "int4": 10, "q8_0": q8_0_matmul_cpu.MAX_BATCH + 1}
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
@@ -40,19 +45,24 @@ PACKED_UP_TO_BATCH = 320  # larger batches (long prompt chunks) multiply by the 
 class InferenceWeight:
     """x @ W.T for a weight W [out, in] (the model's dtype).
 
-    quantization: "none", "int8" (per output channel) or "int4" (Q4_1's groups of 32; a shape the int4 kernel
-    cannot pack falls back to int8). Batches from `dense_from` on multiply by the dense weights, prepacked for
-    oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 on a CPU)."""
+    quantization: "none", "int8" (per output channel), "int4" (Q4_1's groups of 32; a shape the int4 kernel
+    cannot pack falls back to int8) or "q8_0" (see above). Batches from `dense_from` on multiply by the dense
+    weights, prepacked for oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 on a CPU)."""
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None) -> None:
         """dense_from: the batch from which the dense weights serve, when not the quantization's own."""
-        if quantization not in QUANTIZATIONS:
+        if quantization not in (*QUANTIZATIONS, "q8_0"):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         weight = weight.detach()
         self.kind = quantization if quantization != "int4" or int4_fits(weight) else "int8"
-        self.quantized: Int8Weight | Int4Weight | None = None
+        if self.kind == "q8_0" and not (weight.device.type == "cpu" and q8_0_matmul_cpu.fits(weight)
+                                        and q8_0_matmul_cpu.available()):
+            self.kind = "int8"  # PyTorch's int8 kernel instead, one scale per row
+        self.quantized: Int8Weight | Int4Weight | q8_0_matmul_cpu.Q8_0Weight | None = None
         if self.kind != "none":
-            self.quantized = (quantize_int4 if self.kind == "int4" else quantize_int8)(weight, weight.dtype)
+            quantize = {"int4": lambda w: quantize_int4(w, w.dtype), "int8": lambda w: quantize_int8(w, w.dtype),
+                        "q8_0": q8_0_matmul_cpu.quantize_q8_0}[self.kind]
+            self.quantized = quantize(weight)
             weight = self.quantized.dequantize().to(weight.dtype)
         self.dense_from = 0 if self.kind == "none" else dense_from or DENSE_FROM_BATCH[self.kind]
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
@@ -73,6 +83,8 @@ class InferenceWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         if batch < self.dense_from:
+            if self.kind == "q8_0":
+                return q8_0_matmul_cpu.q8_0_matmul(x, self.quantized)
             return weight_only_matmul(x, self.quantized)
         if self.packed is not None and batch <= PACKED_UP_TO_BATCH:
             return packed_matmul(x, self.packed)

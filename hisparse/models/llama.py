@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)
-        self.lm_head_weight = InferenceWeight(self.lm_head.weight, "int8" if quantization == "int4" else quantization)
+        self.lm_head_weight = InferenceWeight(self.lm_head.weight, "none" if quantization == "none" else "q8_0")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
