@@ -76,16 +76,19 @@ def available() -> bool:
 
 
 def q8_0_matmul(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
-    """x [B, K] (float32 or bfloat16, B <= MAX_BATCH) @ weight.T -> [B, N] in x's dtype, x rounded per block."""
+    """x [B, K] (float32 or bfloat16, B <= MAX_BATCH) @ weight.T -> [B, N] in x's dtype, x rounded per block. No
+    rows (a step of prompt chunks that samples nothing) give no rows."""
     library = _load()
     if library is None:
         raise RuntimeError("the Q8_0 kernel is not available on this machine (see q8_0_matmul_cpu.available)")
     n, k = weight.shape
-    if (x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_BATCH
+    if (x.dim() != 2 or x.shape[1] != k or x.shape[0] > MAX_BATCH
             or x.dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"x must be [1..{MAX_BATCH}, {k}] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"x must be [0..{MAX_BATCH}, {k}] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
     if library.q8_0_matmul(x.data_ptr(), x.shape[0], k, weight.q.data_ptr(), weight.scales.data_ptr(),
                            weight.offsets.data_ptr(), n, out.data_ptr(), x.dtype == torch.bfloat16):
         raise MemoryError("the Q8_0 kernel could not allocate its rounded copy of x")

@@ -67,6 +67,19 @@ def test_decode_perplexity_within_a_percent_of_the_bfloat16_model(llama_bf16, qu
     assert abs(decode_nll(quantized["int4"], ids) - base) < 0.01 * base
 
 
+def test_an_int4_engine_serves_a_prompt_longer_than_a_chunk(quantized, tokenizer, text_ids):
+    """A step of prompt chunks that samples nothing asks the LM head for no rows (the Q8_0 kernel's case too)."""
+    from hisparse import SamplingParams
+    from hisparse.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(chunked_prefill_size=64, quantization="int4"), model=quantized["int4"],
+                       tokenizer=tokenizer)
+    request = engine.add_request(text_ids[:150], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while not request.finished:
+        engine.step()
+    assert len(request.output_token_ids) == 3 and request.finish_reason == "length"
+
+
 def test_small_batches_take_the_quantized_kernel(quantized, monkeypatch):
     """Below the crossover the packed weights are read, not the dense copy."""
     from hisparse.layers import linear
