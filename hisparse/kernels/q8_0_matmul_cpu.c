@@ -16,7 +16,7 @@
 #include <stdlib.h>
 
 #define BLOCK 32
-#define MAX_BATCH 2
+#define MAX_BATCH 4
 #define PREFETCH_BYTES 2048  // how far ahead of each row's next blocks their bytes are asked for
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -59,15 +59,15 @@ static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, R
     return 0;
 }
 
-// Output rows n .. n + 3 for `batch` rows of x (batch a constant after inlining: the accumulators stay in
-// registers, and four rows make four independent chains of adds). Two blocks (64 bytes) a step; an odd last
-// block is masked.
-static inline __attribute__((always_inline)) void four_rows(int batch, const RoundedX *x, int64_t blocks,
-                                                            const int8_t *w, const float *scales,
-                                                            const float *offsets, float *result) {
+// Output rows n .. n + R - 1 for `batch` rows of x (R and batch constants after inlining: the R x batch
+// accumulators stay in registers, and R rows make R independent chains of adds). Two blocks (64 bytes) a
+// step; an odd last block is masked.
+static inline __attribute__((always_inline)) void rows(int R, int batch, const RoundedX *x, int64_t blocks,
+                                                       const int8_t *w, const float *scales, const float *offsets,
+                                                       float *result) {
     const int64_t row_bytes = blocks * BLOCK;
     __m512 acc[4][MAX_BATCH];
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int b = 0; b < batch; b++) acc[r][b] = _mm512_setzero_ps();
     const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t g = 0; g < blocks; g += 2) {
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void four_rows(int batch, const Rou
         __mmask64 byte_mask = left == 2 ? ~0ULL : (1ULL << 32) - 1;
         __m512i weights[4];
         __m512 scale[4];
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             const int8_t *at = w + r * row_bytes + g * BLOCK;
             _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
             weights[r] = _mm512_maskz_loadu_epi8(byte_mask, at);
@@ -85,13 +85,13 @@ static inline __attribute__((always_inline)) void four_rows(int batch, const Rou
         for (int b = 0; b < batch; b++) {
             __m512i x_bytes = _mm512_maskz_loadu_epi8(byte_mask, x->bytes + (b * blocks + g) * BLOCK);
             __m512 dx = _mm512_maskz_loadu_ps((__mmask16)((1u << (left * 8)) - 1), x->lanes + (b * blocks + g) * 8);
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < R; r++) {
                 __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x_bytes, weights[r]);
                 acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale[r], dx), acc[r][b]);
             }
         }
     }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int b = 0; b < batch; b++) {
             float offset = 0.0f;
             for (int64_t g = 0; g < blocks; g++) offset += offsets[r * blocks + g] * x->dx[b * blocks + g];
@@ -99,12 +99,13 @@ static inline __attribute__((always_inline)) void four_rows(int batch, const Rou
         }
 }
 
-#define ROWS_FOR(B)                                                                                               \
+// R = 4 rows at a time up to batch 2, else 2: at most 8 accumulators.
+#define ROWS_FOR(B, R)                                                                                            \
     _Pragma("omp parallel for schedule(static)")                                                                  \
-    for (int64_t n = 0; n < out_features; n += 4) {                                                               \
+    for (int64_t n = 0; n < out_features; n += R) {                                                               \
         float result[4 * MAX_BATCH];                                                                              \
-        four_rows(B, &rounded, blocks, w + n * blocks * BLOCK, scales + n * blocks, offsets + n * blocks, result); \
-        for (int r = 0; r < 4; r++)                                                                               \
+        rows(R, B, &rounded, blocks, w + n * blocks * BLOCK, scales + n * blocks, offsets + n * blocks, result);  \
+        for (int r = 0; r < R; r++)                                                                               \
             for (int b = 0; b < B; b++) {                                                                         \
                 float value = result[r * MAX_BATCH + b];                                                          \
                 if (bfloat16) ((uint16_t *)out)[b * out_features + n + r] = float_to_bf16(value);                 \
@@ -120,7 +121,12 @@ int q8_0_matmul(const void *x, int64_t batch, int64_t in_features, const int8_t 
     int64_t blocks = in_features / BLOCK;
     RoundedX rounded;
     if (round_x(x, batch, blocks, bfloat16, &rounded)) return -1;
-    if (batch == 1) { ROWS_FOR(1) } else { ROWS_FOR(2) }
+    switch (batch) {  // each case a copy of the loop with the batch a constant
+        case 1: ROWS_FOR(1, 4) break;
+        case 2: ROWS_FOR(2, 4) break;
+        case 3: ROWS_FOR(3, 2) break;
+        default: ROWS_FOR(4, 2) break;
+    }
     free(rounded.bytes);
     return 0;
 }

@@ -12,7 +12,7 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   numbers. Quantization trades memory for speed here: the dense forms stay.
 
 "q8_0" (the LM head's, not a `--quantization` choice) keeps llama.cpp's blocks of 32 with one scale each and
-multiplies batches of 1 or 2 with int8 dot products, x rounded per block (`kernels.q8_0_matmul_cpu`); where
+multiplies batches up to 4 with int8 dot products, x rounded per block (`kernels.q8_0_matmul_cpu`); where
 that kernel cannot run it is "int8".
 """
 
