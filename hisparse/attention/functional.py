@@ -78,7 +78,8 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
     """Decode attention of q [B, Hq, Dk], one query per request, over the pool rows rows [B, L] (-1: none).
     On the CPU, K/V rows of float32 or bfloat16 are read where they lie (`kernels.decode_attention_cpu`);
     other layouts and devices gather and unpack the rows for SDPA."""
-    if isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16):
+    wide = (torch.float32, torch.bfloat16)
+    if isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in wide and q.dtype in wide:
         from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
 
         return sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads, layout.head_dim)

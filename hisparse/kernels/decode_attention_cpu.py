@@ -5,10 +5,10 @@ pool. Gathering them into a dense tensor for SDPA writes them once more, and SDP
 long queries, not one query per request (isolated, with the caches flushed, gather + SDPA took 1.7-1.8 ms
 for 16 requests x 257 bfloat16 rows, the first version of this kernel 0.9; gather + two batched matmuls,
 39.6 ms for 30 layers against that version's 25.1). Here each row is read where it lies, prefetched a few
-rows ahead, widened to float32 as it is read (a bfloat16 is the top 16 bits of a float32), in tiles of
-TILE_ROWS rows: the K halves of a tile are scored by the query heads that share their KV head (each query
-load serves the tile), then the softmax, then the V halves of a tile are weighted into the output (each
-accumulator load and store serves the tile).
+rows ahead and widened to float32 as it is read (a bfloat16 is the top 16 bits of a float32): each row's K
+half is scored by the query heads that share its KV head, one plain store per score; then the softmax; then
+the V halves, TILE_ROWS rows at a time, are weighted into the output (each accumulator load and store serves
+the tile).
 
 The code is compiled for each (KV heads, query heads per KV head, head dim) so that every inner loop has a
 constant length and becomes a few full-width vector instructions, and the softmax's exponential is a
@@ -39,7 +39,7 @@ choose_threading_layer()
 # costs a wake-up: int4 engine steps at batch 8 / 6 and ~100-token contexts (about 1k and 700 rows) took 0.94x /
 # 0.96x as long with 1024 as with 4096, the two thresholds taking turns every 10 steps (medians of 16).
 PARALLEL_MIN_ROWS = 1024 if on_torch_team() else 4096
-TILE_ROWS = 4  # rows per tile; the kernels below spell out the four sums (s0..s3) and weights (p0..p3)
+TILE_ROWS = 4  # V rows per tile; `_accumulate_tile` spells out the four weights (p0..p3)
 _FASTMATH = {"reassoc", "contract", "nsz"}  # lets the dot products vectorize; -inf must stay -inf
 _PREFETCH_AHEAD = 8  # rows: each row, K and V, is asked for this many rows before its scores
 _LOG2_E = np.float32(1.4426950408889634)

@@ -1,5 +1,5 @@
 // x [B, K] @ W.T -> [B, N] for a weight W [N, K] in Q8_0 blocks (32 inputs, one scale each), with AVX-512 VNNI
-// int8 dot products: llama.cpp's Q8_0 x Q8_0 scheme. Built and loaded by vnni_matmul_cpu.py (gcc -O3
+// int8 dot products: llama.cpp's Q8_0 x Q8_0 scheme. Built and loaded by q8_0_matmul_cpu.py (gcc -O3
 // -march=native -fopenmp), which documents the layout.
 //
 // Each block of x is rounded to int8 with one scale (dx = max |x| / 127) and the weights stay bytes: one vpdpbusd
@@ -46,12 +46,16 @@ static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, R
     r->dx = r->lanes + n * 8;
     for (size_t bg = 0; bg < n; bg++) {
         float values[BLOCK], top = 0.0f;
+        int nan = 0;
         for (int i = 0; i < BLOCK; i++) {
             values[i] = bfloat16 ? bf16_to_float(((const uint16_t *)x)[bg * BLOCK + i])
                                  : ((const float *)x)[bg * BLOCK + i];
+            nan |= isnan(values[i]);
             top = fmaxf(top, fabsf(values[i]));
         }
-        float dx = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        // A NaN (or infinite) input makes the block's scale NaN (or infinite), and with it the outputs NaN, as a
+        // dense product would; its bytes are then 128 (zero), never a cast of a NaN.
+        float dx = nan ? NAN : top / 127.0f, inverse = top > 0.0f && isfinite(top) && !nan ? 127.0f / top : 0.0f;
         for (int i = 0; i < BLOCK; i++) r->bytes[bg * BLOCK + i] = (uint8_t)((int)nearbyintf(values[i] * inverse) + 128);
         for (int lane = 0; lane < 8; lane++) r->lanes[bg * 8 + lane] = dx;
         r->dx[bg] = dx;

@@ -10,10 +10,10 @@ head. The cost is that rounding of the activations (the weights are the blocks t
 pays too.
 
 The C file is compiled once per machine with the system's gcc (`-O3 -march=native -fopenmp`, about a second)
-into the package's `__pycache__` (or the temp directory when that is read-only), keyed by the source and the
-CPU's flags. Its OpenMP loop runs on the process's one libgomp: torch's team (`numba_threads`). Without gcc, on
-a CPU without AVX-512 VNNI, or with HISPARSE_DISABLE_VNNI=1, `available()` is False and callers keep PyTorch's
-kernels.
+into the package's `__pycache__` (or ~/.cache/hisparse when that is read-only), keyed by the source, the
+command, gcc's version and the CPU's flags. Its OpenMP loop runs on the process's one libgomp: torch's team
+(`numba_threads`). Without gcc, on a CPU without AVX-512 VNNI, or with HISPARSE_DISABLE_VNNI=1, `available()`
+is False and callers keep PyTorch's kernels (a build that fails says so in a warning with gcc's message).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,9 @@ SOURCE = Path(__file__).with_suffix(".c")
 BLOCK = 32  # inputs per block
 MAX_BATCH = 4  # the C file's: from batch 5 the dense bfloat16 head is faster (2.4 against 2.5 ms at 6)
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet
+_COMMAND = ("gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_library: ctypes.PyDLL | None | bool = False  # False: not tried yet
+_loading = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,14 @@ class Q8_0Weight:
     scales: torch.Tensor
     offsets: torch.Tensor
 
+    def __post_init__(self) -> None:  # the C kernel reads these as raw memory
+        n, blocks, width = self.q.shape
+        if (self.q.dtype != torch.int8 or width != BLOCK or n % 4 or not self.q.is_contiguous()
+                or any(t.dtype != torch.float32 or t.shape != (n, blocks) or not t.is_contiguous()
+                       for t in (self.scales, self.offsets))):
+            raise ValueError(f"a Q8_0 weight is contiguous int8 q [N, K / {BLOCK}, {BLOCK}] with N a multiple of 4 "
+                             f"and float32 scales and offsets [N, K / {BLOCK}]")
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.q.shape[1] * BLOCK
@@ -54,12 +66,13 @@ class Q8_0Weight:
 
 
 def quantize_q8_0(weight: torch.Tensor) -> Q8_0Weight:
-    """llama.cpp's Q8_0 quantizer: per block of 32 inputs the largest magnitude maps to 127. A weight read from a
-    Q8_0 tensor of a GGUF file comes back as its own blocks."""
+    """llama.cpp's Q8_0 quantizer: per block of 32 inputs the largest magnitude maps to 127. A float32 weight
+    dequantized from a GGUF file's Q8_0 tensor comes back as its own blocks (a bfloat16 one near them: q * scale
+    needs up to 18 bits)."""
     if not fits(weight):
         raise ValueError(f"a Q8_0 weight needs a multiple of 4 rows and of {BLOCK} columns, got {tuple(weight.shape)}")
     n, k = weight.shape
-    blocks = weight.float().view(n, k // BLOCK, BLOCK)
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
     scales = blocks.abs().amax(dim=-1) / 127
     q = torch.round(blocks / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
     offsets = -128 * scales * q.sum(dim=-1, dtype=torch.int32).float()
@@ -98,11 +111,13 @@ def q8_0_matmul(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
 
 
 def q8_0_matmul_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
-    """What the kernel computes, in plain PyTorch (float64): x rounded per block to int8, times the weights."""
+    """What the kernel computes, in plain PyTorch: x rounded per block to int8 as the kernel rounds it (in float32,
+    times 127 / max |x|), then the products in float64."""
     n, k = weight.shape
-    blocks = x.double().view(x.shape[0], k // BLOCK, BLOCK)
-    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    rounded = (torch.round(blocks / torch.where(dx > 0, dx, 1.0)).clamp_(-127, 127) * dx).view(x.shape[0], k)
+    blocks = x.float().reshape(x.shape[0], k // BLOCK, BLOCK)
+    top = blocks.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(blocks * torch.where(top > 0, 127 / top, 0.0))
+    rounded = (q.double() * (top / 127).double()).view(x.shape[0], k)
     return (rounded @ weight.dequantize().double().t()).to(x.dtype)
 
 
@@ -117,34 +132,57 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> ctypes.PyDLL | None:
     global _library
-    if _library is False:
-        _library = _build_and_load()
+    with _loading:  # one build per process, whichever thread asks first
+        if _library is False:
+            _library = _build_and_load()
     return _library
 
 
-def _build_and_load() -> ctypes.CDLL | None:
+def _build_and_load() -> ctypes.PyDLL | None:
+    """The compiled kernel, built first where no build of this source, command and CPU is found; None (with a
+    warning carrying gcc's message when it failed) where it cannot be."""
     flags = _cpu_flags()
     if os.environ.get("HISPARSE_DISABLE_VNNI") == "1" or not all(f in flags for f in _REQUIRED_FLAGS):
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
-    for folder in (SOURCE.parent / "__pycache__", Path(tempfile.gettempdir()) / "hisparse"):
+    try:
+        source = SOURCE.read_bytes()
+        compiler = subprocess.run(["gcc", "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # no source in this install, or no gcc
+    key = hashlib.sha256(b"\0".join([source, " ".join(_COMMAND).encode(), compiler.encode(),
+                                     " ".join(sorted(flags)).encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hisparse"
+    failure = None
+    for folder in (SOURCE.parent / "__pycache__", cache):  # the second where the package's folder is read-only
         path = folder / f"{SOURCE.stem}-{key}.so"
         try:
             if not path.exists():
                 folder.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.tmp")
-                subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(partial),
-                                str(SOURCE)], check=True, capture_output=True, timeout=120)
-                os.replace(partial, path)  # two processes building it at once each write whole files
-            library = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError):
+                handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+                os.close(handle)
+                try:
+                    subprocess.run([*_COMMAND, "-o", partial, str(SOURCE)], check=True, capture_output=True,
+                                   text=True, timeout=120)
+                    os.replace(partial, path)  # whole files only: another process may be building it too
+                finally:
+                    if os.path.exists(partial):
+                        os.remove(partial)
+            # PyDLL keeps the GIL, as torch's and numba's kernels do: released, another thread could run torch
+            # ops on a second OpenMP team meanwhile
+            library = ctypes.PyDLL(str(path))
+        except subprocess.CalledProcessError as error:
+            failure = error.stderr.strip()
+            break  # the same source fails in any folder
+        except (OSError, subprocess.SubprocessError) as error:
+            failure = str(error)
             continue
         library.q8_0_matmul.restype = ctypes.c_int
         library.q8_0_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_int]
         return library
+    warnings.warn(f"the Q8_0 kernel could not be built or loaded, so the LM head reads per-row int8: {failure}",
+                  RuntimeWarning, stacklevel=3)
     return None

@@ -174,8 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_inference(self, quantization: str = "none") -> None:
         """Fused weights in their inference layout (`layers.linear`), quantized as asked. The LM head, the largest
-        single read of a decode step, goes to int8 at most (per vocabulary row: the GGUF stores it in 8 bits,
-        Q8_0). When tied, the embedding keeps its own table for token lookups."""
+        single read of a decode step, goes to 8 bits at most: Q8_0 blocks, as the GGUF stores it (per-row int8
+        where the Q8_0 kernel cannot run). When tied, the embedding keeps its own table for token lookups."""
         for layer in self.layers:
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)

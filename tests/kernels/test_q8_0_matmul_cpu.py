@@ -53,6 +53,25 @@ def test_within_a_percent_of_the_exact_product():
     assert relative_error(q8_0_matmul(x, weight), x @ weight.dequantize().t()) < 0.01
 
 
+def test_the_kernel_is_built_wherever_gcc_and_vnni_are():
+    """A build that fails falls back quietly but for a warning, so this is what notices a broken C file."""
+    import shutil
+
+    flags = q8_0_matmul_cpu._cpu_flags()
+    if shutil.which("gcc") is None or not all(f in flags for f in q8_0_matmul_cpu._REQUIRED_FLAGS):
+        pytest.skip("no gcc or no AVX-512 VNNI here")
+    assert q8_0_matmul_cpu.available()
+
+
+@needs_kernel
+def test_a_nan_input_gives_nan_outputs_as_a_dense_product_would():
+    weight = quantize_q8_0(torch.randn(8, 64))
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")
+    out = q8_0_matmul(x, weight)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
 @needs_kernel
 def test_refusals():
     weight = quantize_q8_0(torch.randn(8, 64))
@@ -62,6 +81,8 @@ def test_refusals():
         q8_0_matmul(torch.randn(1, 32), weight)
     with pytest.raises(ValueError, match="multiple of 4 rows"):
         quantize_q8_0(torch.randn(6, 64))
+    with pytest.raises(ValueError, match="contiguous int8 q"):
+        q8_0_matmul_cpu.Q8_0Weight(weight.q.float(), weight.scales, weight.offsets)
 
 
 def test_a_head_without_the_kernel_falls_back_to_per_row_int8(monkeypatch):
