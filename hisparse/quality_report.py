@@ -76,6 +76,8 @@ class ForcedSequenceBackend:
     oracle's top_k, and both selections (for the overlap of consecutive rows).
     """
 
+    reads_index_queries = True  # every chunk measures or selects with them
+
     def __init__(self, model, top_k: int, dense_layers: tuple[int, ...], max_len: int) -> None:
         self.num_layers = len(model.layers)
         self.scale = model.attention_scale

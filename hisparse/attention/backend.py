@@ -18,8 +18,8 @@ import torch
 
 class AttentionBackend(Protocol):
     # Whether this step's attention reads the indexer's queries and head weights (a selecting prompt chunk, or a
-    # decode context longer than top_k). When False a model may pass index_k alone (later steps read the keys)
-    # and skip the rest of its indexer. A backend without the attribute reads them whenever given.
+    # decode context longer than top_k). When False a model passes index_k alone (later steps read the keys)
+    # and skips the rest of its indexer.
     reads_index_queries: bool
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,

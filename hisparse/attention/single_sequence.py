@@ -11,6 +11,8 @@ from hisparse.attention.functional import causal_attention
 
 
 class SingleSequenceCache:
+    reads_index_queries = False  # dense attention: an indexer's keys are all it needs, and it stores none
+
     def __init__(self, num_layers: int, scale: float) -> None:
         self.scale = scale
         self.k: list[torch.Tensor | None] = [None] * num_layers

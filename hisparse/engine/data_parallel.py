@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hisparse.engine.request import Request, RequestStatus
+from hisparse.memory.hisparse_pools import hit_rate
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
@@ -83,6 +84,5 @@ def summed(parts: list[dict]) -> dict:
         else:
             out[key] = value
     if "hit_rate" in out:
-        lookups = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / lookups if lookups else None
+        out["hit_rate"] = hit_rate(out["hits"], out["misses"])
     return out

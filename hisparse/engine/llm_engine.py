@@ -302,14 +302,14 @@ class LLMEngine:
         if self.placement is not None:
             remote = self.placement.forget(request_id)
             if remote is not None:
-                remote.status, remote.finish_reason = RequestStatus.FINISHED, "abort"
+                self.scheduler.finish(remote, "abort")  # a stand-in sits in no queue: only its status changes
                 return remote
         return request
 
     @property
     def dp_size(self) -> int:
         """Data-parallel attention ranks: each rank under DP attention, else one."""
-        return self.tp.size if self.tp.dp_attention else 1
+        return self.config.dp_size
 
     @property
     def has_unfinished(self) -> bool:
@@ -448,7 +448,8 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
-        stand_in = self.placement is not None and self.placement.forget(request.request_id) is not None
+        forgotten = self.placement.forget(request.request_id) if self.placement is not None else None
+        stand_in = forgotten is not None
         if request.record_topk and self.config.topk_trace_dir is not None and not stand_in and (
                 self.tp.rank == 0 or self.tp.dp_attention):  # the rank that ran it saves its selections
             from hisparse.engine.topk_trace import save_request_trace
@@ -479,8 +480,7 @@ class LLMEngine:
             raise KeyError(f"no request {request_id!r} is waiting for its prompt's rows")
         self._mirror("start_decode", request_id, first_token)
         self.scheduler.start_decode(request)
-        self.stats.prompt_tokens += request.num_prompt_tokens
-        self.stats.cached_prompt_tokens += request.num_cached_tokens
+        self._count_prompt(request)
         self._append(request, first_token, time.perf_counter())
         return request
 
@@ -511,6 +511,11 @@ class LLMEngine:
     def stats_dict(self) -> dict:
         """Engine counters, memory usage and (with HiSparse) hits, misses, evictions, bytes and seconds."""
         s = self.stats
+        # Under DP attention each rank's pools are its own (rank 0's among them): their slots and counters add up.
+        ranks = (self._ask_ranks("_rank_counters") if self.placement is not None and self.tp.comm is not None
+                 else [self._rank_counters()])
+        memory, swap_in = ranks[0] if len(ranks) == 1 else (
+            summed([usage for usage, _ in ranks]), None if ranks[0][1] is None else summed([c for _, c in ranks]))
         out = {"steps": s.steps, "step_seconds": s.step_seconds, "forward_seconds": self.runner.forward_seconds,
                "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
                "generated_tokens": s.generated_tokens,
@@ -519,18 +524,12 @@ class LLMEngine:
                "running": len(self.scheduler.running), "transferring": len(self.scheduler.transferring),
                "held": len(self.scheduler.held),
                "waiting": len(self.scheduler.waiting), "peak_running": self.scheduler.peak_running,
-               "memory": self.cache.usage(), "tp_size": self.tp.size, "ranks": self.rank_pools}
-        counters = getattr(self.cache, "counters", None)
-        if counters is not None:
-            out["swap_in"] = counters.as_dict()
-        if self.placement is not None:  # every DP rank's requests, memory and swap-in counters
+               "memory": memory, "tp_size": self.tp.size, "ranks": self.rank_pools}
+        if swap_in is not None:
+            out["swap_in"] = swap_in
+        if self.placement is not None:  # every DP rank's requests
             for name, status in (("running", RequestStatus.RUNNING), ("waiting", RequestStatus.WAITING)):
                 out[name] += self.placement.count(status)
-            if self.tp.comm is not None:  # each rank's pools are its own: their slots and counters add up
-                ranks = self._ask_ranks("_rank_counters")
-                out["memory"] = summed([memory for memory, _ in ranks])
-                if counters is not None:
-                    out["swap_in"] = summed([swap_in for _, swap_in in ranks])
             out["dp_size"] = self.dp_size
         return out
 

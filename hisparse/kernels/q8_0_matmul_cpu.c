@@ -29,21 +29,18 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-// x rounded per block: qx + 128 as bytes [B, K]; dx [B, G * 8], each block's repeated over the 8 int32 lanes its
-// products land in; and dx [B, G] once per block, for the offsets.
+// x rounded per block: qx + 128 as bytes [B, K] and each block's scale dx [B, G].
 typedef struct {
     uint8_t *bytes;
-    float *lanes;
     float *dx;
 } RoundedX;
 
 static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, RoundedX *r) {
     size_t n = (size_t)(batch * blocks);
-    char *memory = malloc(n * BLOCK + n * 9 * sizeof(float) + 64);
+    char *memory = malloc(n * BLOCK + n * sizeof(float));
     if (!memory) return -1;
     r->bytes = (uint8_t *)memory;
-    r->lanes = (float *)(memory + n * BLOCK);
-    r->dx = r->lanes + n * 8;
+    r->dx = (float *)(memory + n * BLOCK);
     for (size_t bg = 0; bg < n; bg++) {
         float values[BLOCK], top = 0.0f;
         int nan = 0;
@@ -57,7 +54,6 @@ static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, R
         // dense product would; its bytes are then 128 (zero), never a cast of a NaN.
         float dx = nan ? NAN : top / 127.0f, inverse = top > 0.0f && isfinite(top) && !nan ? 127.0f / top : 0.0f;
         for (int i = 0; i < BLOCK; i++) r->bytes[bg * BLOCK + i] = (uint8_t)((int)nearbyintf(values[i] * inverse) + 128);
-        for (int lane = 0; lane < 8; lane++) r->lanes[bg * 8 + lane] = dx;
         r->dx[bg] = dx;
     }
     return 0;
@@ -73,22 +69,26 @@ static inline __attribute__((always_inline)) void rows(int R, int batch, const R
     __m512 acc[4][MAX_BATCH];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < batch; b++) acc[r][b] = _mm512_setzero_ps();
+    // a step's two blocks' values over the 8 int32 lanes each block's products land in
     const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask8 two_mask = 3, one_mask = 1;
     for (int64_t g = 0; g < blocks; g += 2) {
         int left = blocks - g < 2 ? 1 : 2;
         __mmask64 byte_mask = left == 2 ? ~0ULL : (1ULL << 32) - 1;
+        __mmask8 block_mask = left == 2 ? two_mask : one_mask;
         __m512i weights[4];
         __m512 scale[4];
         for (int r = 0; r < R; r++) {
             const int8_t *at = w + r * row_bytes + g * BLOCK;
             _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
             weights[r] = _mm512_maskz_loadu_epi8(byte_mask, at);
-            __m128 two = _mm_maskz_loadu_ps((__mmask8)((1u << left) - 1), scales + r * blocks + g);
+            __m128 two = _mm_maskz_loadu_ps(block_mask, scales + r * blocks + g);
             scale[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two));
         }
         for (int b = 0; b < batch; b++) {
             __m512i x_bytes = _mm512_maskz_loadu_epi8(byte_mask, x->bytes + (b * blocks + g) * BLOCK);
-            __m512 dx = _mm512_maskz_loadu_ps((__mmask16)((1u << (left * 8)) - 1), x->lanes + (b * blocks + g) * 8);
+            __m128 two = _mm_maskz_loadu_ps(block_mask, x->dx + b * blocks + g);
+            __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two));
             for (int r = 0; r < R; r++) {
                 __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x_bytes, weights[r]);
                 acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale[r], dx), acc[r][b]);

@@ -8,6 +8,8 @@ while a dense matmul's does not, which is why a caller keeps the dense weights f
 (`layers.linear.InferenceWeight`).
 
 - int8: one scale per output channel, w = q * scale, q in [-127, 127].
+- q8_0: llama.cpp's blocks of 32 inputs, one scale each, multiplied by `kernels.q8_0_matmul_cpu` (x rounded per
+  block to int8; batches up to its MAX_BATCH).
 - int4: groups of `INT4_GROUP` consecutive inputs, w = q * scale + min, q in [0, 15]: llama.cpp's Q4_1 block.
   A GGUF file's Q4_1 weights (the default model's) come back as the same q, scale and min, so int4 holds
   them as the file does.
@@ -20,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hisparse.kernels.q8_0_matmul_cpu import Q8_0Weight, q8_0_matmul, quantize_q8_0
 
 INT4_GROUP = 32  # inputs per int4 group, Q4_1's block
 INT4_ROWS = 16  # the int4 kernel's packing wants a multiple of this many output rows
@@ -83,10 +87,19 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
     return Int4Weight(q, scales_and_zeros, packed)
 
 
-def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight) -> torch.Tensor:
+def quantize(weight: torch.Tensor, kind: str) -> Int8Weight | Int4Weight | Q8_0Weight:
+    """`weight` [out, in] as `kind` ("int8", "int4" or "q8_0") for activations of its dtype."""
+    if kind == "q8_0":
+        return quantize_q8_0(weight)
+    return (quantize_int4 if kind == "int4" else quantize_int8)(weight, weight.dtype)
+
+
+def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight) -> torch.Tensor:
     """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for)."""
     if isinstance(weight, Int8Weight):
         return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
+    if isinstance(weight, Q8_0Weight):
+        return q8_0_matmul(x, weight)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
 
 

@@ -23,14 +23,7 @@ from torch import nn
 
 from hisparse.kernels import q8_0_matmul_cpu
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
-from hisparse.kernels.weight_only_matmul import (
-    Int4Weight,
-    Int8Weight,
-    int4_fits,
-    quantize_int4,
-    quantize_int8,
-    weight_only_matmul,
-)
+from hisparse.kernels.weight_only_matmul import Int4Weight, Int8Weight, int4_fits, quantize, weight_only_matmul
 
 QUANTIZATIONS = ("none", "int8", "int4")
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
@@ -60,9 +53,7 @@ class InferenceWeight:
             self.kind = "int8"  # PyTorch's int8 kernel instead, one scale per row
         self.quantized: Int8Weight | Int4Weight | q8_0_matmul_cpu.Q8_0Weight | None = None
         if self.kind != "none":
-            quantize = {"int4": lambda w: quantize_int4(w, w.dtype), "int8": lambda w: quantize_int8(w, w.dtype),
-                        "q8_0": q8_0_matmul_cpu.quantize_q8_0}[self.kind]
-            self.quantized = quantize(weight)
+            self.quantized = quantize(weight, self.kind)
             weight = self.quantized.dequantize().to(weight.dtype)
         self.dense_from = 0 if self.kind == "none" else dense_from or DENSE_FROM_BATCH[self.kind]
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
@@ -83,8 +74,6 @@ class InferenceWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         if batch < self.dense_from:
-            if self.kind == "q8_0":
-                return q8_0_matmul_cpu.q8_0_matmul(x, self.quantized)
             return weight_only_matmul(x, self.quantized)
         if self.packed is not None and batch <= PACKED_UP_TO_BATCH:
             return packed_matmul(x, self.packed)

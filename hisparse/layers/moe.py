@@ -62,12 +62,12 @@ class MoE(nn.Module):
     then its output is that share's part of the sum, and the ranks' parts add up to the whole).
     shared_size: the shared experts' columns it holds (0: none)."""
 
-    def __init__(self, hidden_size: int, moe_intermediate_size: int, n_experts: int, shared_size: int,
-                 router: TopkRouter, experts: range | None = None) -> None:
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, shared_size: int, router: TopkRouter,
+                 experts: range) -> None:
         super().__init__()
         self.gate = router
-        self.n_experts = n_experts
-        self.local = experts if experts is not None else range(n_experts)
+        self.n_experts = router.weight.shape[0]
+        self.local = experts
         self.experts = nn.ModuleList(SwiGLU(hidden_size, moe_intermediate_size) for _ in self.local)
         self.shared_experts = SwiGLU(hidden_size, shared_size) if shared_size else None
 

@@ -54,6 +54,12 @@ class HiSparseAllocation:
     buffered: bool = False  # its slot tables are live (it has outgrown the fast path)
 
 
+def hit_rate(hits: int, misses: int) -> float | None:
+    """The share of lookups the hot buffers answered; None before any lookup."""
+    lookups = hits + misses
+    return hits / lookups if lookups else None
+
+
 class SwapInCounters:
     """Per-layer hits, misses, evictions, bytes copied host -> device and swap-in seconds.
 
@@ -81,14 +87,13 @@ class SwapInCounters:
         hits, misses, evictions = counts[:-1].reshape(-1, 3).T
         fast_path = int(counts[-1])
         bytes_h2d = misses * self.row_bytes
-        lookups = int(hits.sum() + misses.sum())
         return {
             "hits": int(hits.sum()),
             "misses": int(misses.sum()),
             "evictions": int(evictions.sum()),
             "bytes_host_to_device": int(bytes_h2d.sum()),
             "swap_in_seconds": float(self.seconds.sum()),
-            "hit_rate": (int(hits.sum()) / lookups) if lookups else None,
+            "hit_rate": hit_rate(int(hits.sum()), int(misses.sum())),
             "fast_path_lookups": fast_path,
             "prompt_load_bytes": self.prompt_load_bytes,
             "per_layer": {"hits": hits.tolist(), "misses": misses.tolist(), "evictions": evictions.tolist(),

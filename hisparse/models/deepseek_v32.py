@@ -269,10 +269,10 @@ class DsaAttention(MultiHeadLatentAttention):
     """cfg: the rank's share (`DsaConfig.for_rank`): its heads; under tensor parallel the output projection's sums
     are all-reduced. The latent row and the indexer are whole on every rank, which computes them alike."""
 
-    def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: DsaConfig, layer_idx: int, tp: TensorParallel) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                          cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.softmax_scale)
-        self.tp = tp or TensorParallel()
+        self.tp = tp
         self.layer_idx = layer_idx
         self.indexer = None
         if cfg.indexer_types[layer_idx] == "full":
@@ -306,11 +306,9 @@ class DsaDecoderLayer(nn.Module):
         else:
             router = TopkRouter(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-            experts = cfg.experts_of(tp)
-            expert_size = cfg.moe_intermediate_size
-            expert_size = expert_size if tp.expert_parallel else tp.share(expert_size)[1]
-            self.mlp = MoE(cfg.hidden_size, expert_size, cfg.n_routed_experts,
-                           tp.share(cfg.moe_intermediate_size * cfg.n_shared_experts)[1], router, experts)
+            expert_size = cfg.moe_intermediate_size if tp.expert_parallel else tp.share(cfg.moe_intermediate_size)[1]
+            self.mlp = MoE(cfg.hidden_size, expert_size, tp.share(cfg.moe_intermediate_size * cfg.n_shared_experts)[1],
+                           router, cfg.experts_of(tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

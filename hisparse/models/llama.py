@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
         if self.indexer is not None:
             projected = (self.index_proj(x) if self.indexer is self._prepared_indexer
                          else F.linear(x.float(), self.indexer.projection_weight()))
-            if getattr(backend, "reads_index_queries", True):
+            if backend.reads_index_queries:
                 index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
                 index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
             else:  # the keys are stored for later steps; nothing scores this one
