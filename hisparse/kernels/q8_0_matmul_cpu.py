@@ -9,34 +9,33 @@ caches flushed, 1.2 / 1.6 / 1.5 / 1.7 ms at batch 1 / 2 / 3 / 4 against 2.2-2.6 
 head. The cost is that rounding of the activations (the weights are the blocks themselves), which llama.cpp
 pays too.
 
-The C file is compiled once per machine with the system's gcc (`-O3 -march=native -fopenmp`, about a second)
-into the package's `__pycache__` (or ~/.cache/hisparse when that is read-only), keyed by the source, the
-command, gcc's version and the CPU's flags. Its OpenMP loop runs on the process's one libgomp: torch's team
-(`numba_threads`). Without gcc, on a CPU without AVX-512 VNNI, or with HISPARSE_DISABLE_VNNI=1, `available()`
-is False and callers keep PyTorch's kernels (a build that fails says so in a warning with gcc's message).
+The C file is built on first use (`kernels.c_library`). Without gcc, on a CPU without AVX-512 VNNI, or with
+HISPARSE_DISABLE_VNNI=1, `available()` is False and callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hisparse.kernels.c_library import CLibrary
+
 SOURCE = Path(__file__).with_suffix(".c")
 BLOCK = 32  # inputs per block
 MAX_BATCH = 4  # the C file's: from batch 5 the dense bfloat16 head is faster (2.4 against 2.5 ms at 6)
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-_COMMAND = ("gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-_library: ctypes.PyDLL | None | bool = False  # False: not tried yet
-_loading = threading.Lock()
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+
+
+def _declare(library: ctypes.PyDLL) -> None:
+    library.q8_0_matmul.restype = ctypes.c_int
+    library.q8_0_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+
+
+_LIBRARY = CLibrary(SOURCE, _declare, "the LM head reads per-row int8", REQUIRED_FLAGS, "HISPARSE_DISABLE_VNNI")
 
 
 @dataclass(frozen=True)
@@ -87,13 +86,13 @@ def fits(weight: torch.Tensor) -> bool:
 
 def available() -> bool:
     """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _load() is not None
+    return _LIBRARY.load() is not None
 
 
 def q8_0_matmul(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
     """x [B, K] (float32 or bfloat16, B <= MAX_BATCH) @ weight.T -> [B, N] in x's dtype, x rounded per block. No
     rows (a step of prompt chunks that samples nothing) give no rows."""
-    library = _load()
+    library = _LIBRARY.load()
     if library is None:
         raise RuntimeError("the Q8_0 kernel is not available on this machine (see q8_0_matmul_cpu.available)")
     n, k = weight.shape
@@ -119,70 +118,3 @@ def q8_0_matmul_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
     q = torch.round(blocks * torch.where(top > 0, 127 / top, 0.0))
     rounded = (q.double() * (top / 127).double()).view(x.shape[0], k)
     return (rounded @ weight.dequantize().double().t()).to(x.dtype)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _load() -> ctypes.PyDLL | None:
-    global _library
-    with _loading:  # one build per process, whichever thread asks first
-        if _library is False:
-            _library = _build_and_load()
-    return _library
-
-
-def _build_and_load() -> ctypes.PyDLL | None:
-    """The compiled kernel, built first where no build of this source, command and CPU is found; None (with a
-    warning carrying gcc's message when it failed) where it cannot be."""
-    flags = _cpu_flags()
-    if os.environ.get("HISPARSE_DISABLE_VNNI") == "1" or not all(f in flags for f in _REQUIRED_FLAGS):
-        return None
-    try:
-        source = SOURCE.read_bytes()
-        compiler = subprocess.run(["gcc", "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None  # no source in this install, or no gcc
-    key = hashlib.sha256(b"\0".join([source, " ".join(_COMMAND).encode(), compiler.encode(),
-                                     " ".join(sorted(flags)).encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hisparse"
-    failure = None
-    for folder in (SOURCE.parent / "__pycache__", cache):  # the second where the package's folder is read-only
-        path = folder / f"{SOURCE.stem}-{key}.so"
-        try:
-            if not path.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
-                os.close(handle)
-                try:
-                    subprocess.run([*_COMMAND, "-o", partial, str(SOURCE)], check=True, capture_output=True,
-                                   text=True, timeout=120)
-                    os.replace(partial, path)  # whole files only: another process may be building it too
-                finally:
-                    if os.path.exists(partial):
-                        os.remove(partial)
-            # PyDLL keeps the GIL, as torch's and numba's kernels do: released, another thread could run torch
-            # ops on a second OpenMP team meanwhile
-            library = ctypes.PyDLL(str(path))
-        except subprocess.CalledProcessError as error:
-            failure = error.stderr.strip()
-            break  # the same source fails in any folder
-        except (OSError, subprocess.SubprocessError) as error:
-            failure = str(error)
-            continue
-        library.q8_0_matmul.restype = ctypes.c_int
-        library.q8_0_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_int]
-        return library
-    warnings.warn(f"the Q8_0 kernel could not be built or loaded, so the LM head reads per-row int8: {failure}",
-                  RuntimeWarning, stacklevel=3)
-    return None

@@ -136,8 +136,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x, rope, index_rope, backend):
-        x = x + self.attn(self.input_norm(x), rope, index_rope, backend)
-        return x + self.mlp(self.post_attention_norm(x))
+        x, h = self.post_attention_norm.add_and_norm(x, self.attn(self.input_norm(x), rope, index_rope, backend))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

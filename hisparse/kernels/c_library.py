@@ -1,0 +1,102 @@
+"""Our C kernels: compiled once per machine by the system's gcc and loaded with ctypes.
+
+A C file next to its Python module is built (`gcc -O3 -march=native -fopenmp`, about a second) into the
+package's `__pycache__`, or ~/.cache/hisparse where that is read-only, keyed by the source, the command, gcc's
+version and the CPU's flags, so that a changed file, compiler or machine builds anew. Builds write a temporary
+file and rename it, so processes building at once never load half a library. OpenMP loops in them run on the
+process's one libgomp: torch's team (`numba_threads`).
+
+Libraries load as `ctypes.PyDLL`, which keeps the GIL during a call as torch's and numba's kernels do: released,
+another thread could run torch ops on a second OpenMP team meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+COMMAND = ("gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+class CLibrary:
+    """One C file's library, built and loaded on first use by whichever thread asks first.
+
+    declare(library) sets the functions' argument and result types. `load()` is None where the library cannot be
+    had: no gcc, no source in this install, a missing CPU flag, or `disable_env` set to 1; a failed build also
+    warns with gcc's message, naming `fallback` (what callers do instead)."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.PyDLL], None], fallback: str,
+                 required_flags: tuple[str, ...] = (), disable_env: str | None = None) -> None:
+        self.source = source
+        self.declare = declare
+        self.fallback = fallback
+        self.required_flags = required_flags
+        self.disable_env = disable_env
+        self._library: ctypes.PyDLL | None | bool = False  # False: not tried yet
+        self._loading = threading.Lock()
+
+    def load(self) -> ctypes.PyDLL | None:
+        with self._loading:
+            if self._library is False:
+                self._library = self._build_and_load()
+        return self._library
+
+    def _build_and_load(self) -> ctypes.PyDLL | None:
+        flags = cpu_flags()
+        if ((self.disable_env and os.environ.get(self.disable_env) == "1")
+                or not all(f in flags for f in self.required_flags)):
+            return None
+        try:
+            source = self.source.read_bytes()
+            compiler = subprocess.run(["gcc", "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None  # no source in this install, or no gcc
+        key = hashlib.sha256(b"\0".join([source, " ".join(COMMAND).encode(), compiler.encode(),
+                                         " ".join(sorted(flags)).encode()])).hexdigest()[:16]
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hisparse"
+        failure = None
+        for folder in (self.source.parent / "__pycache__", cache):  # the second where the first is read-only
+            path = folder / f"{self.source.stem}-{key}.so"
+            try:
+                if not path.exists():
+                    folder.mkdir(parents=True, exist_ok=True)
+                    handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+                    os.close(handle)
+                    try:
+                        subprocess.run([*COMMAND, "-o", partial, str(self.source)], check=True, capture_output=True,
+                                       text=True, timeout=120)
+                        os.replace(partial, path)  # whole files only: another process may be building it too
+                    finally:
+                        if os.path.exists(partial):
+                            os.remove(partial)
+                library = ctypes.PyDLL(str(path))
+            except subprocess.CalledProcessError as error:
+                failure = error.stderr.strip()
+                break  # the same source fails in any folder
+            except (OSError, subprocess.SubprocessError) as error:
+                failure = str(error)
+                continue
+            self.declare(library)
+            return library
+        warnings.warn(f"{self.source.name} could not be built or loaded, so {self.fallback}: {failure}",
+                      RuntimeWarning, stacklevel=4)
+        return None

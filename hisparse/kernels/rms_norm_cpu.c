@@ -1,0 +1,44 @@
+// RMSNorm of bfloat16 rows with its residual add, one call instead of PyTorch's chain of small ops (a cast, a
+// square, a mean, a reciprocal square root, two products, casts back). Built and loaded by rms_norm_cpu.py,
+// which says what is rounded where.
+
+#include <math.h>
+#include <stdint.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float value) {  // nearest even, NaN kept NaN (PyTorch's rounding)
+    union { float f; uint32_t u; } v = {.f = value};
+    if (isnan(value)) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+// out = weight * bf16(s / rms(s)) for s = x, or s = bf16(x + delta) (then also written to sum) where delta is
+// given. Rows [rows, dim], contiguous.
+void rms_norm(const uint16_t *x, const uint16_t *delta, uint16_t *sum, const uint16_t *weight, uint16_t *out,
+              int64_t rows, int64_t dim, float eps) {
+    #pragma omp parallel for if (rows >= 64) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *in = x + r * dim;
+        if (delta) {
+            const uint16_t *d = delta + r * dim;
+            uint16_t *s = sum + r * dim;
+            for (int64_t i = 0; i < dim; i++) s[i] = float_to_bf16(bf16_to_float(in[i]) + bf16_to_float(d[i]));
+            in = s;
+        }
+        double squares = 0.0;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = bf16_to_float(in[i]);
+            squares += (double)(v * v);
+        }
+        float scale = 1.0f / sqrtf((float)squares / (float)dim + eps);
+        uint16_t *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float normed = bf16_to_float(float_to_bf16(bf16_to_float(in[i]) * scale));
+            o[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
+        }
+    }
+}
