@@ -28,6 +28,7 @@ import torch
 
 from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.kernels import indexer_key_cpu
 from hisparse.layers.dsa_indexer import LightningIndexer
 from hisparse.layers.rotary import HalfSplitRotation
 
@@ -98,19 +99,22 @@ class LlamaIndexer(LightningIndexer):
                                     self.head_dim)
 
     def from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation):
-        """`forward`'s q, k, w from x @ projection_weight().T [N, H * d + d + H] (any float dtype); the query
-        heads and the key rotate together."""
+        """`forward`'s q, k, w from x @ projection_weight().T [N, H * d + d + H] (any float dtype)."""
         n, heads, dim = projected.shape[0], self.n_heads, self.head_dim
-        q, k, w = projected.float().split([heads * dim, dim, heads], dim=-1)
-        qk = rotation(torch.cat([q.view(n, heads, dim), self.k_norm(k).unsqueeze(1)], dim=1))
-        return qk[:, :heads], qk[:, heads], self.finish_weights(w)
+        q, w = projected[:, :heads * dim].float(), projected[:, heads * dim + dim:]
+        return rotation(q.view(n, heads, dim)), self.key_from_projection(projected, rotation), self.finish_weights(w)
 
     def key_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation) -> torch.Tensor:
-        """`from_projection`'s key alone (the same numbers: the rotation is elementwise), for a step whose
-        attention reads no indexer queries (`AttentionBackend.reads_index_queries`)."""
-        start = self.n_heads * self.head_dim
+        """`from_projection`'s key alone, for a step whose attention reads no indexer queries
+        (`AttentionBackend.reads_index_queries`). On the CPU one compiled call (`kernels.indexer_key_cpu`) derives
+        it, whether the queries are computed or not, so a key's bytes never depend on the step."""
+        start, norm = self.n_heads * self.head_dim, self.k_norm
+        if (projected.is_cpu and projected.dtype in (torch.bfloat16, torch.float32) and rotation.cos.is_cpu
+                and not (torch.is_grad_enabled() and norm.weight.requires_grad) and indexer_key_cpu.available()):
+            return indexer_key_cpu.indexer_key(projected, start, norm.weight, norm.bias, norm.eps, rotation.cos,
+                                               rotation.sin, rotation.half)
         k = projected[:, start:start + self.head_dim].float()
-        return rotation(self.k_norm(k).unsqueeze(1))[:, 0]
+        return rotation(norm(k).unsqueeze(1))[:, 0]
 
 
 def attach_indexers(model, config: IndexerConfig) -> list[LlamaIndexer]:

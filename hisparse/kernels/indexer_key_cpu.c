@@ -1,0 +1,40 @@
+// The indexer's key from its projection: LayerNorm, then half-split RoPE, in one call instead of PyTorch's slice,
+// cast, norm, rotation (two products, a roll, a sum). Built and loaded by indexer_key_cpu.py, which says what
+// differs from PyTorch's arithmetic.
+
+#include <math.h>
+#include <stdint.h>
+
+#pragma GCC optimize("fp-contract=off")  // each product rounded before the sum, as PyTorch's separate ops do
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
+    return v.f;
+}
+
+// out [rows, dim] float32 = rope(LayerNorm(k)), k the dim values at column `start` of each row of projected
+// (bfloat16 when bf16, else float32; `stride` values a row). cos, sin [rows, dim] are the rotation's factors
+// (1 and 0 past the rotated 2 * half dims) and sin carries the sign of the rotation's first half.
+void indexer_key(const void *projected, int64_t stride, int64_t start, int bf16, const float *weight,
+                 const float *bias, float eps, const float *cos, const float *sin, int64_t half, float *out,
+                 int64_t rows, int64_t dim) {
+    #pragma omp parallel for if (rows >= 64) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float k[dim], normed[dim];
+        for (int64_t i = 0; i < dim; i++)
+            k[i] = bf16 ? bf16_to_float(((const uint16_t *)projected)[r * stride + start + i])
+                        : ((const float *)projected)[r * stride + start + i];
+        double total = 0.0;
+        for (int64_t i = 0; i < dim; i++) total += k[i];
+        double mean = total / (double)dim, spread = 0.0;
+        for (int64_t i = 0; i < dim; i++) spread += ((double)k[i] - mean) * ((double)k[i] - mean);
+        float rstd = 1.0f / sqrtf((float)(spread / (double)dim) + eps), shift = -rstd * (float)mean;
+        for (int64_t i = 0; i < dim; i++) normed[i] = (k[i] * rstd + shift) * weight[i] + bias[i];
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        float *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            int64_t partner = i < half ? i + half : (i < 2 * half ? i - half : i);
+            o[i] = normed[i] * c[i] + normed[partner] * s[i];
+        }
+    }
+}
