@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hisparse.formats.kv_layout import KVLayout, RowLayout
+from hisparse.kernels import kv_rows_cpu
 from hisparse.memory.rows import gather_rows
 
 _QUERY_CHUNK = 256  # bounds the [heads, chunk, context] scores of a masked prompt chunk
@@ -71,6 +72,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                                          scale=scale)
     return out.reshape(b, hq, dv).to(q.dtype)
+
+
+def write_rows(pool: torch.Tensor, slots: torch.Tensor, layout: RowLayout, k: torch.Tensor,
+               v: torch.Tensor | None) -> None:
+    """pool[slots] <- the rows of the new tokens' k, v [N, Hkv, D]: one compiled copy where K/V rows lie on the CPU
+    in the pool's dtype (`kernels.kv_rows_cpu`), else packed and copied by PyTorch."""
+    if isinstance(layout, KVLayout) and v is not None and kv_rows_cpu.takes(pool, k, v) and kv_rows_cpu.available():
+        kv_rows_cpu.write_kv_rows(pool, slots, k, v)
+    else:
+        pool.index_copy_(0, slots, layout.pack(k, v).to(pool.device))
 
 
 def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.attention.functional import attend_rows
+from hisparse.attention.functional import attend_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
@@ -93,28 +93,27 @@ class HiSparseAttention:
     def attend(self, layer, q, k, v, index_q=None, index_k=None, index_w=None):
         cache = self.cache
         layout = cache.layout
-        new_rows = layout.pack(k, v)
-        host = cache.host_kv[layer]
         # The backup. On a GPU this copy waits for the device, once per layer: the reference backs the newest
         # rows up asynchronously a step later, which this engine does not yet.
-        host.index_copy_(0, self.host_write, new_rows.to(host.device))
+        host = cache.host_kv[layer]
+        write_rows(host, self.host_write, layout, k, v)
         if index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
         if not self.prefill:  # a decode-only step: every token is a request's decode query, in order
-            return self._decode(layer, q, new_rows, index_q, index_w)
+            return self._decode(layer, q, k, v, index_q, index_w)
         out = q.new_empty(q.shape[0], q.shape[1], layout.v_dim)
         # Prefill over the host pool (on a GPU the reference stages it on the device before the backup).
         attend_prompt_chunks(out, layer, q, index_q, index_w, self.prefill, host, cache.scale, layout, cache.sparse,
                              self.selection)
         if self.decode:
             at = self.decode_offsets
-            out[at] = self._decode(layer, q[at], new_rows[at], rows_of(index_q, at), rows_of(index_w, at))
+            out[at] = self._decode(layer, q[at], k[at], rows_of(v, at), rows_of(index_q, at), rows_of(index_w, at))
         return out
 
-    def _decode(self, layer, q, new_rows, index_q, index_w):
+    def _decode(self, layer, q, k, v, index_q, index_w):
         cache = self.cache
         device_kv = cache.device_kv[layer]
-        device_kv.index_copy_(0, self.step.device_write, new_rows)
+        write_rows(device_kv, self.step.device_write, cache.layout, k, v)
         # The policy may also read the runners-up (score_lru, lrfu), when some request swaps in.
         num_next = cache.num_next_ranks if self.step.has_swapping else 0
         selected, next_ranked = self.selection.decode(layer, index_q, index_w, self.index_slots, self.lengths, num_next)

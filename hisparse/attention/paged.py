@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hisparse.attention.functional import attend_rows
+from hisparse.attention.functional import attend_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
@@ -158,7 +158,7 @@ class PagedAttention:
         cache = self.cache
         layout = cache.layout
         pool = cache.kv[layer]
-        pool.index_copy_(0, self.write_rows, layout.pack(k, v))
+        write_rows(pool, self.write_rows, layout, k, v)
         if cache.index_cache is not None and index_k is not None:
             cache.index_cache.write(layer, self.index_write, index_k)
         sparse = cache.sparse

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hisparse.kernels import rotary_cpu
+
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
@@ -113,6 +115,9 @@ class HalfSplitRotation:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H, head_dim] -> rotated, the same shape and dtype."""
+        if (rotary_cpu.takes(x, self.cos) and not (torch.is_grad_enabled() and x.requires_grad)
+                and rotary_cpu.available()):
+            return rotary_cpu.rotate_half_split(x, self.cos, self.sin, self.half)
         h = self.half
         if 2 * h == x.shape[-1]:  # every dim rotates: the swap is a roll, one op instead of three slices and a cat
             swapped = x.roll(h, -1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.formats.index_key import IndexKeyFormat
-from hisparse.kernels.index_keys_cpu import write_int8_keys
+from hisparse.kernels import index_keys_cpu
 from hisparse.memory.rows import gather_rows
 from hisparse.memory.slot_allocator import SlotAllocator
 
@@ -28,7 +28,8 @@ class IndexerKeyCache:
         # A row for every layer, GLM's shared layers too, though they write none: the sizing (here, in the pools'
         # and in the planner's) counts every layer.
         self.rows = torch.zeros(num_layers, num_slots, self.format.row_bytes, dtype=torch.uint8, device=device)
-        self.compiled_write = self.format.kind == "int8" and self.rows.device.type == "cpu"
+        self.compiled_write = (self.format.kind == "int8" and self.rows.device.type == "cpu"
+                               and index_keys_cpu.available())
         self.allocator = SlotAllocator(num_slots)
 
     @property
@@ -39,7 +40,7 @@ class IndexerKeyCache:
         """keys [N, index_dim] (float) go to rows `slots` [N] of `layer` (int8 rows on the CPU in one compiled
         loop, `kernels.index_keys_cpu`; the same bytes)."""
         if self.compiled_write:
-            write_int8_keys(self.rows[layer], slots, keys)
+            index_keys_cpu.write_int8_keys(self.rows[layer], slots, keys)
         else:
             self.rows[layer].index_copy_(0, slots, self.format.pack(keys))
 

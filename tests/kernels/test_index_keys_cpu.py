@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from hisparse.formats.index_key import IndexKeyFormat
+from hisparse.kernels import index_keys_cpu
 from hisparse.kernels.index_keys_cpu import write_int8_keys
+
+pytestmark = pytest.mark.skipif(not index_keys_cpu.available(), reason="no gcc here")
 
 
 @pytest.mark.parametrize("n", [1, 7, 300])
@@ -14,6 +17,9 @@ def test_same_bytes_as_the_reference(n):
     generator = torch.Generator().manual_seed(n)
     keys = torch.randn(n, 64, generator=generator) * 4
     keys[0] = 0.0  # an all-zero key: the scale's floor
+    if n > 1:  # halves (the scale is 1): rounded to even, as torch.round does
+        keys[1, :5] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5])
+        keys[1, 5:] = 0.0
     slots = torch.randperm(512, generator=generator)[:n]
     want = torch.zeros(512, 68, dtype=torch.uint8)
     want.index_copy_(0, slots, IndexKeyFormat("int8", 64).pack(keys))
@@ -22,6 +28,9 @@ def test_same_bytes_as_the_reference(n):
     assert torch.equal(got, want)
 
 
-def test_out_of_range_slots_are_refused():
-    with pytest.raises(ValueError, match="slots must be"):
-        write_int8_keys(torch.zeros(4, 68, dtype=torch.uint8), torch.tensor([4]), torch.zeros(1, 64))
+def test_out_of_range_slots_are_refused_and_nothing_is_written():
+    rows = torch.zeros(4, 68, dtype=torch.uint8)
+    for slots in (torch.tensor([0, 4]), torch.tensor([-1, 0])):
+        with pytest.raises(ValueError, match="slots must be"):
+            write_int8_keys(rows, slots, torch.ones(2, 64))
+        assert not rows.any()

@@ -1,0 +1,54 @@
+"""Writing a step's new K/V rows into a CPU pool in one compiled call (`kv_rows_cpu.c`).
+
+Every layer of every step stores its new tokens' K and V: PyTorch's way is a cat of the two into rows and an
+index_copy_, two ops and a temporary. Here each row's two halves are copied where they go, read from the slices
+of the projection they lie in. Built on first use (`kernels.c_library`); where it cannot be (no gcc),
+`available()` is False and the cache keeps PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from hisparse.kernels.c_library import CLibrary
+
+
+def _declare(library: ctypes.PyDLL) -> None:
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    library.write_kv_rows.restype = ctypes.c_int
+    library.write_kv_rows.argtypes = [pointer, count, count, pointer, count, pointer, count, pointer, count, count]
+
+
+_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the K/V rows are written by PyTorch's ops")
+
+
+def available() -> bool:
+    """Whether the compiled kernel is loaded (compiling it on first use)."""
+    return _LIBRARY.load() is not None
+
+
+def takes(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `write_kv_rows` takes these as they lie: all on the CPU in the pool's dtype, the pool contiguous,
+    each token's K heads and V heads contiguous."""
+    return (pool.is_cpu and k.is_cpu and v.is_cpu and k.dtype == pool.dtype and v.dtype == pool.dtype
+            and pool.is_contiguous() and k.dim() == 3 and v.shape == k.shape and k.stride(2) == 1
+            and v.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2])
+
+
+def write_kv_rows(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """pool[slots[i]] <- K then V of token i, for pool [S, 2 * H * D] and k, v [N, H, D]; slots int64 [N], each
+    in [0, S) (else ValueError, and nothing is written)."""
+    n, heads, dim = k.shape if k.dim() == 3 else (-1, -1, -1)
+    if (not takes(pool, k, v) or pool.dim() != 2 or pool.shape[1] != 2 * heads * dim or slots.shape != (n,)
+            or slots.dtype != torch.int64 or not slots.is_cpu):
+        raise ValueError(f"write_kv_rows takes a contiguous pool [S, 2 H D], int64 slots [N] and K, V [N, H, D] of "
+                         f"the pool's dtype with each token's heads contiguous, in CPU memory; got pool "
+                         f"{tuple(pool.shape)} {pool.dtype}, slots {tuple(slots.shape)}, K {tuple(k.shape)} {k.dtype}")
+    slots, size = slots.contiguous(), pool.element_size()
+    if _LIBRARY.load().write_kv_rows(pool.data_ptr(), pool.shape[0], pool.shape[1] * size, slots.data_ptr(), n,
+                                     k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                     heads * dim * size):
+        raise ValueError(f"write_kv_rows: a slot is outside the pool's {pool.shape[0]} rows")

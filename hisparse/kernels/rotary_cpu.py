@@ -1,0 +1,56 @@
+"""Half-split RoPE of a batch's heads in one compiled call (`rotary_cpu.c`).
+
+`HalfSplitRotation` is x * cos + swap(x) * sin: a roll, two products and a sum, four PyTorch ops of a few
+microseconds each at one token, in every layer. Here one loop does them, each product and the sum rounded to the
+rows' dtype as PyTorch's ops round them: the same bits. Built on first use (`kernels.c_library`); where it cannot
+be (no gcc), `available()` is False and the rotation keeps PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from hisparse.kernels.c_library import CLibrary
+
+
+def _declare(library: ctypes.PyDLL) -> None:
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    library.rotate_half_split.restype = None
+    library.rotate_half_split.argtypes = [pointer, count, count, count, count, pointer, pointer, count, pointer,
+                                          ctypes.c_int]
+
+
+_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "RoPE keeps PyTorch's ops")
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def available() -> bool:
+    """Whether the compiled kernel is loaded (compiling it on first use)."""
+    return _LIBRARY.load() is not None
+
+
+def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rotate_half_split` reads heads x [N, H, D] as they lie: on the CPU, in cos's dtype (bfloat16 or
+    float32), each token's heads contiguous (a slice of a wider row is fine)."""
+    return (x.is_cpu and x.dtype == cos.dtype and x.dtype in _DTYPES and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2])
+
+
+def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """x * cos + swap(x) * sin [N, H, D] (contiguous), swap exchanging the first 2 * half dims' halves; cos, sin
+    [N, 1, D] in x's dtype."""
+    n, heads, dim = x.shape if x.dim() == 3 else (-1, -1, -1)
+    if (not takes(x, cos) or cos.shape != (n, 1, dim) or sin.shape != cos.shape or sin.dtype != cos.dtype
+            or not (cos.is_cpu and sin.is_cpu) or not 0 <= 2 * half <= dim):
+        raise ValueError(f"rotate_half_split takes heads [N, H, D] with each token's heads contiguous and cos, sin "
+                         f"[N, 1, D] of their dtype (bfloat16 or float32), rotating at most D dims, in CPU memory; "
+                         f"got {tuple(x.shape)} {x.dtype}, {tuple(cos.shape)} {cos.dtype}, half {half}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(n, heads, dim, dtype=x.dtype)
+    if n:
+        _LIBRARY.load().rotate_half_split(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(),
+                                          half, out.data_ptr(), x.dtype == torch.bfloat16)
+    return out
