@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from hisparse.kernels import index_scores_cpu
 from hisparse.kernels.index_scores_cpu import int8_past_scores
 from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
 from hisparse.memory.indexer_cache import IndexerKeyCache
@@ -67,7 +68,7 @@ class IndexSelector:
         # The compiled scorer reads the fp32 scale in place, so the row must be whole fp32 words; it sets the
         # newest score to +inf, so it serves only the rule that selects it.
         self.compiled_scores = (on_cpu and self.format.kind == "int8" and keys.index_dim % 4 == 0
-                                and select_newest)
+                                and select_newest and index_scores_cpu.available())
         self.compiled_top_k = on_cpu
 
     # -- a decode step: one query per request -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores of every past token from int8 key rows, on the CPU with numba.
+"""Lightning-indexer scores of every past token from int8 key rows, on the CPU in C (`index_scores_cpu.c`).
 
 A decode step scores every past token of every request in every layer, and with PyTorch that is a
 gather of the key rows, a widening of their int8 values to float32, two batched matmuls, a ReLU, the
@@ -9,94 +9,58 @@ caches flushed before each call; our 2-core machine): 0.24-0.27x the PyTorch pat
 0.27-0.41x at 4, 0.26-0.29x at 8, 0.30x at 16.
 
 The reference is `IndexSelector.past_scores_reference` (the PyTorch path); the two agree to float32
-rounding (the sums run in another order) and exactly on the masks. Summation order is the only freedom
-the compiler gets (no fast-math assumptions about infinities: the masks are infinities).
+rounding (the sums run in another order) and exactly on the masks. The first version was numba's; this one
+widens each key once and takes each head's dot product in a few AVX-512 FMAs (~60 cycles a key before).
+Built on first use (`kernels.c_library`); where it cannot be (no gcc), `available()` is False and selection
+scores with PyTorch.
 """
 
 from __future__ import annotations
 
-import functools
+import ctypes
+from pathlib import Path
 
-import numpy as np
 import torch
-from numba import njit, prange
 
-from hisparse.kernels.numba_threads import choose_threading_layer
+from hisparse.kernels.c_library import CLibrary
 
-choose_threading_layer()
-
-TILE = 256  # positions per parallel work item
 PARALLEL_MIN_KEYS = 4096  # below this a parallel region costs more than it saves
-_FLAGS = {"reassoc", "contract", "nsz"}  # reorder and fuse the sums; nothing that assumes finite values
+
+
+def _declare(library: ctypes.PyDLL) -> None:
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    library.int8_past_scores.restype = ctypes.c_int
+    library.int8_past_scores.argtypes = [pointer, count, count, count, pointer, count, count, pointer, pointer,
+                                         count, pointer, pointer, ctypes.c_int]
+
+
+_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the indexer scores with PyTorch")
+
+
+def available() -> bool:
+    """Whether the compiled kernel is loaded (compiling it on first use)."""
+    return _LIBRARY.load() is not None
 
 
 def int8_past_scores(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
                      lengths: torch.Tensor) -> torch.Tensor:
     """Scores [B, W] float32: sum_h w[b, h] ReLU(q[b, h] . k) x scale for the key row at slots[b, p] of
     `rows` (uint8 [N, head_dim + 4]: head_dim int8 values, then the fp32 scale), -inf for p >= lengths[b],
-    +inf at the newest position lengths[b] - 1. q [B, H, head_dim] and w [B, H] float32."""
-    table = rows.numpy()
-    keys = table.view(np.int8)
-    scales = table.view(np.float32)[:, head_dim // 4]
+    +inf at the newest position lengths[b] - 1. q [B, H, head_dim] and w [B, H] float32, slots [B, W] and
+    lengths [B] int64, all contiguous in CPU memory. A slot read outside the rows raises ValueError."""
     batch, width = slots.shape
-    out = np.empty((batch, width), np.float32)
-    serial, parallel = _kernels(head_dim)
-    kernel = parallel if batch * width >= PARALLEL_MIN_KEYS else serial
-    kernel(keys, scales, slots.numpy(), q.numpy(), w.numpy(), lengths.numpy(), out)
-    return torch.from_numpy(out)
-
-
-def _score(keys, s, qb, wb, head_dim):
-    total = np.float32(0.0)
-    for h in range(qb.shape[0]):
-        acc = np.float32(0.0)
-        for d in range(head_dim):
-            acc += qb[h, d] * np.float32(keys[s, d])
-        total += wb[h] * max(acc, np.float32(0.0))
-    return total
-
-
-def _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim):
-    """Work item t: TILE positions of one request."""
-    tiles = (slots.shape[1] + TILE - 1) // TILE
-    b = t // tiles
-    lo = (t % tiles) * TILE
-    hi = min(lo + TILE, slots.shape[1])
-    n = lengths[b]
-    qb = q[b]
-    wb = w[b]
-    for p in range(lo, hi):
-        if p >= n:
-            out[b, p] = -np.inf
-        elif p == n - 1:
-            out[b, p] = np.inf
-        else:
-            s = slots[b, p]
-            out[b, p] = _score(keys, s, qb, wb, head_dim) * scales[s]
-
-
-# Inlined at numba's level into the drivers below (compiled with the same flags), where head_dim is a constant.
-_score, _score_tile = (njit(fastmath=_FLAGS, cache=True, inline="always")(f) for f in (_score, _score_tile))
-
-
-@functools.cache
-def _kernels(head_dim: int):
-    """(serial, parallel) scorers for keys of `head_dim` dims. The dim is a constant of the compiled code:
-    with it known, the dot product is a few full-width vector instructions; as a run-time bound the loop
-    took 1.6x as long (loop checks and a remainder around the same vector body). The drivers capture only
-    the integer, so numba's disk cache finds them again in the next process (drivers that captured another
-    compiled function got a new cache key, and were compiled anew, in every process)."""
-
-    # Two drivers, not one function compiled twice: numba's disk cache keys a compiled function by the
-    # Python function and the argument types, not by `parallel`, so the two would share one cache entry.
-    @njit(fastmath=_FLAGS, cache=True)
-    def serial(keys, scales, slots, q, w, lengths, out):
-        for t in range(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
-            _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim)
-
-    @njit(fastmath=_FLAGS, parallel=True, cache=True)
-    def parallel(keys, scales, slots, q, w, lengths, out):
-        for t in prange(slots.shape[0] * ((slots.shape[1] + TILE - 1) // TILE)):
-            _score_tile(keys, scales, slots, q, w, lengths, out, t, head_dim)
-
-    return serial, parallel
+    heads = q.shape[1]
+    if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != head_dim + 4 or head_dim % 4
+            or not rows.is_contiguous() or q.shape != (batch, heads, head_dim) or w.shape != (batch, heads)
+            or lengths.shape != (batch,) or q.dtype != torch.float32 or w.dtype != torch.float32
+            or slots.dtype != torch.int64 or lengths.dtype != torch.int64
+            or not all(t.is_contiguous() and t.is_cpu for t in (slots, q, w, lengths))):
+        raise ValueError(f"int8_past_scores takes uint8 rows [N, {head_dim + 4}] (head_dim a multiple of 4), "
+                         f"int64 slots [B, W] and lengths [B], float32 q [B, H, {head_dim}] and w [B, H], contiguous "
+                         f"in CPU memory")
+    out = torch.empty(batch, width)
+    if _LIBRARY.load().int8_past_scores(rows.data_ptr(), rows.shape[1], rows.shape[0], head_dim, slots.data_ptr(),
+                                        batch, width, q.data_ptr(), w.data_ptr(), heads, lengths.data_ptr(),
+                                        out.data_ptr(), batch * width >= PARALLEL_MIN_KEYS):
+        raise ValueError(f"int8_past_scores: a slot is outside the key rows [0, {rows.shape[0]})")
+    return out

@@ -8,14 +8,23 @@ import warnings
 
 import pytest
 
-from hisparse.kernels import index_keys_cpu, indexer_key_cpu, kv_rows_cpu, q8_0_matmul_cpu, rms_norm_cpu, rotary_cpu
+from hisparse.kernels import (
+    index_keys_cpu,
+    index_scores_cpu,
+    indexer_key_cpu,
+    kv_rows_cpu,
+    q8_0_matmul_cpu,
+    rms_norm_cpu,
+    rotary_cpu,
+)
 from hisparse.kernels.c_library import CLibrary, cpu_flags
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc here")
 
 
 @needs_gcc
-@pytest.mark.parametrize("kernel", [rms_norm_cpu, indexer_key_cpu, rotary_cpu, kv_rows_cpu, index_keys_cpu])
+@pytest.mark.parametrize("kernel", [rms_norm_cpu, indexer_key_cpu, rotary_cpu, kv_rows_cpu, index_keys_cpu,
+                                    index_scores_cpu])
 def test_the_kernels_are_built_wherever_gcc_is(kernel):
     assert kernel.available()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from unittest.mock import patch
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -78,3 +79,9 @@ def test_scores_of_positions_past_the_length_are_never_read():
     slots = torch.tensor([[3, 4, 5, 0, 0, 0]])
     out = cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), slots, torch.tensor([3]))
     assert torch.isfinite(out[0, :2]).all() and out[0, 2] == float("inf") and (out[0, 3:] == float("-inf")).all()
+
+
+def test_a_slot_outside_the_key_rows_is_refused():
+    cache = random_cache(3, 64, 16)
+    with pytest.raises(ValueError, match=r"a slot is outside the key rows \[0, 16\)"):
+        cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), torch.tensor([[3, 16, 5]]), torch.tensor([3]))
