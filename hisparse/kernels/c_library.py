@@ -1,8 +1,9 @@
 """Our C kernels: compiled once per machine by the system's gcc and loaded with ctypes.
 
 A C file next to its Python module is built (`gcc -O3 -march=native -fopenmp`, about a second) into the
-package's `__pycache__`, or ~/.cache/hisparse where that is read-only, keyed by the source, the command, gcc's
-version and the CPU's flags, so that a changed file, compiler or machine builds anew. Builds write a temporary
+package's `__pycache__`, or ~/.cache/hisparse where that is read-only, keyed by the source and the headers
+beside it (`bfloat16.h`), the command, gcc's version and the CPU's flags, so that a changed file, compiler or
+machine builds anew. Builds write a temporary
 file and rename it, so processes building at once never load half a library. OpenMP loops in them run on the
 process's one libgomp: torch's team (`numba_threads`).
 
@@ -66,7 +67,8 @@ class CLibrary:
                 or not all(f in flags for f in self.required_flags)):
             return None
         try:
-            source = self.source.read_bytes()
+            # the headers beside it too: a changed header builds anew
+            source = b"\0".join(path.read_bytes() for path in [self.source, *sorted(self.source.parent.glob("*.h"))])
             compiler = subprocess.run(["gcc", "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             return None  # no source in this install, or no gcc

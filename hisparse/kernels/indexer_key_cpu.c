@@ -5,12 +5,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#pragma GCC optimize("fp-contract=off")  // each product rounded before the sum, as PyTorch's separate ops do
+#include "bfloat16.h"
 
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
-    return v.f;
-}
+#pragma GCC optimize("fp-contract=off")  // each product rounded before the sum, as PyTorch's separate ops do
 
 // out [rows, dim] float32 = rope(LayerNorm(k)), k the dim values at column `start` of each row of projected
 // (bfloat16 when bf16, else float32; `stride` values a row). cos, sin [rows, dim] are the rotation's factors

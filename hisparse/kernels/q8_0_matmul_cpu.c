@@ -15,19 +15,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bfloat16.h"
+
 #define BLOCK 32
 #define MAX_BATCH 4
 #define PREFETCH_BYTES 2048  // how far ahead of each row's next blocks their bytes are asked for
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    union { float f; uint32_t u; } v = {.f = value};
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 // x rounded per block: qx + 128 as bytes [B, K] and each block's scale dx [B, G].
 typedef struct {

@@ -5,16 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {  // nearest even, NaN kept NaN (PyTorch's rounding)
-    union { float f; uint32_t u; } v = {.f = value};
-    if (isnan(value)) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
+#include "bfloat16.h"
 
 // out = weight * bf16(s / rms(s)) for s = x, or s = bf16(x + delta) (then also written to sum) where delta is
 // given. Rows [rows, dim], contiguous.

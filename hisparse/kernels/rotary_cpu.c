@@ -5,20 +5,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bfloat16.h"
+
 #pragma GCC optimize("fp-contract=off")  // each product rounded before the sum
-
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)bits << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float value) {  // nearest even, NaN kept NaN (PyTorch's rounding)
-    union { float f; uint32_t u; } v = {.f = value};
-    if (isnan(value)) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
 static inline int64_t partner(int64_t i, int64_t half) {  // the dim a dim is rotated with (itself past 2 half)
     return i < half ? i + half : (i < 2 * half ? i - half : i);
