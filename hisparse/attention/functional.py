@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hisparse.formats.kv_layout import KVLayout, RowLayout
-from hisparse.kernels import kv_rows_cpu
+from hisparse.kernels import decode_attention_cpu, kv_rows_cpu
 from hisparse.memory.rows import gather_rows
 
 _QUERY_CHUNK = 256  # bounds the [heads, chunk, context] scores of a masked prompt chunk
@@ -90,10 +90,10 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
     On the CPU, K/V rows of float32 or bfloat16 are read where they lie (`kernels.decode_attention_cpu`);
     other layouts and devices gather and unpack the rows for SDPA."""
     wide = (torch.float32, torch.bfloat16)
-    if isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in wide and q.dtype in wide:
-        from hisparse.kernels.decode_attention_cpu import sparse_decode_attention
-
-        return sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads, layout.head_dim)
+    if (isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in wide and q.dtype in wide
+            and q.shape[1] <= decode_attention_cpu.MAX_QUERY_HEADS and decode_attention_cpu.available()):
+        return decode_attention_cpu.sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads,
+                                                            layout.head_dim)
     k, v = layout.unpack(gather_rows(pool, rows.clamp(min=0)))
     return decode_attention(q, k, v, rows >= 0, scale)
 

@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from hisparse.kernels import (
+    decode_attention_cpu,
     index_keys_cpu,
     index_scores_cpu,
     indexer_key_cpu,
@@ -24,7 +25,7 @@ needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc here"
 
 @needs_gcc
 @pytest.mark.parametrize("kernel", [rms_norm_cpu, indexer_key_cpu, rotary_cpu, kv_rows_cpu, index_keys_cpu,
-                                    index_scores_cpu])
+                                    index_scores_cpu, decode_attention_cpu])
 def test_the_kernels_are_built_wherever_gcc_is(kernel):
     assert kernel.available()
 

@@ -94,23 +94,12 @@ def test_a_row_of_one_token_selects_it():
 def test_serial_and_parallel_kernels_are_separate_functions():
     """numba's disk cache keys compiled code by the Python function and the argument types, not by
     `parallel`: one function compiled both ways would load one variant's code for both."""
-    from hisparse.kernels import decode_attention_cpu, swap_in_cpu
+    from hisparse.kernels import swap_in_cpu
 
     pairs = [(top_k_cpu._top_k_serial, top_k_cpu._top_k_parallel),
              (top_k_cpu._top_k_runners_up_serial, top_k_cpu._top_k_runners_up_parallel),
              (swap_in_cpu._plan_batch_serial, swap_in_cpu._plan_batch_parallel),
-             (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel),
-             decode_attention_cpu._kernels(3, 3, 64, True, True)]
+             (swap_in_cpu._copy_rows_serial, swap_in_cpu._copy_rows_parallel)]
     for serial, parallel in pairs:
         assert serial.py_func is not parallel.py_func
         assert not serial.targetoptions.get("parallel") and parallel.targetoptions.get("parallel")
-
-
-def test_kernels_compiled_per_shape_capture_only_integers():
-    """numba keys a closure's disk-cache entry by its captured values (pickled): a driver that captured another
-    compiled function got a new key in every process, so every process compiled it anew (1-7 s at each start).
-    Integers and bools pickle the same in every process."""
-    from hisparse.kernels import decode_attention_cpu
-
-    for driver in decode_attention_cpu._kernels(3, 3, 64, True, True):
-        assert all(type(cell.cell_contents) in (int, bool) for cell in driver.py_func.__closure__)

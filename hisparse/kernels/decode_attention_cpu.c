@@ -1,0 +1,231 @@
+// Decode attention straight from a pool of K/V rows: one query per request over its own rows. Built and loaded by
+// decode_attention_cpu.py, which says what it computes and why it is shaped so.
+//
+// Per request: the queries are widened once; each valid row's K half is widened once and scored by every query
+// head (four heads' dot products summed across lanes together: a horizontal sum per head cost as much as the
+// products); each head's scores go through a softmax whose exponential is a polynomial; then the V halves,
+// TILE_ROWS valid rows at a time, are weighted into the outputs (each accumulator load and store serves the tile).
+// With AVX-512 and head dims in sixteens the loops are intrinsics; otherwise plain loops of the same arithmetic.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "bfloat16.h"
+
+#pragma GCC target("prefer-vector-width=512")  // the plain loops (widening, weighting V) in full-width vectors
+
+#define TILE_ROWS 4
+#define PREFETCH_AHEAD 8  // rows
+#define MAX_HEAD_VALUES 16384  // query heads x head dim: the widened queries and outputs live on the stack
+#define LOG2_E 1.4426950408889634f
+
+// values [n] of a row half, bfloat16 or float32, as float32
+static void widen(const void *src, int bf16, int64_t n, float *dst) {
+    if (bf16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+// e^x for x <= 0 (-inf gives 0): 2^(x log2 e) = 2^n 2^f, n an integer and f in [-1/2, 1/2], 2^f the degree-6
+// Taylor polynomial of e^(f ln 2) (error below 1.2e-7), 2^n built from its exponent bits; clamped at 2^-127, whose
+// bits are those of 0.0.
+static inline float exp_nonpositive(float x) {
+    float y = fmaxf(x * LOG2_E, -127.0f), n = floorf(y + 0.5f), f = y - n;
+    float p = 1.5403530393381606e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.618129107628477e-3f;
+    p = p * f + 5.550410866482158e-2f;
+    p = p * f + 0.2402265069591007f;
+    p = p * f + 0.6931471805599453f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } power = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return p * power.f;
+}
+
+#ifdef __AVX512F__
+static inline __m512 exp_nonpositive16(__m512 x) {
+    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)), _mm512_set1_ps(-127.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// The dot products of four queries with four keys (float32 [dim] each, dim a multiple of 16), summed across
+// their lanes together: [4].
+static inline __m128 four_dots(const float *q0, const float *q1, const float *q2, const float *q3, const float *k0,
+                               const float *k1, const float *k2, const float *k3, int64_t dim) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 16) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), _mm512_loadu_ps(k0 + d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), _mm512_loadu_ps(k1 + d), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + d), _mm512_loadu_ps(k2 + d), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), _mm512_loadu_ps(k3 + d), a3);
+    }
+    __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+    __m512 t = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+#endif
+
+static inline float dot(const float *q, const float *k, int64_t dim) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < dim; d++) s += q[d] * k[d];
+    return s;
+}
+
+// scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i.
+static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t dim, float scale,
+                      float *scores, int64_t stride, int64_t j) {
+#ifdef __AVX512F__
+    if (dim % 16 == 0) {
+        for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
+            int64_t h[4];
+            for (int t = 0; t < 4; t++) h[t] = i + t < heads ? i + t : heads - 1;
+            float four[4];
+            _mm_storeu_ps(four, four_dots(queries + h[0] * dim, queries + h[1] * dim, queries + h[2] * dim,
+                                          queries + h[3] * dim, keys + (h[0] / group) * dim, keys + (h[1] / group) * dim,
+                                          keys + (h[2] / group) * dim, keys + (h[3] / group) * dim, dim));
+            for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < heads; i++) scores[i * stride + j] = dot(queries + i * dim, keys + (i / group) * dim, dim) * scale;
+}
+
+// s[0..n) <- e^(s - max s); returns their sum.
+static float softmax_numerators(float *s, int64_t n) {
+    float top = -INFINITY, total = 0.0f;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 tops = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + j));
+    top = _mm512_reduce_max_ps(tops);
+    for (; j < n; j++) top = fmaxf(top, s[j]);
+    __m512 shift = _mm512_set1_ps(top);
+    for (j = 0; j + 16 <= n; j += 16) {
+        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+        _mm512_storeu_ps(s + j, e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    total = _mm512_reduce_add_ps(sums);
+#else
+    for (; j < n; j++) top = fmaxf(top, s[j]);
+    j = 0;
+#endif
+    for (; j < n; j++) {
+        s[j] = exp_nonpositive(s[j] - top);
+        total += s[j];
+    }
+    return total;
+}
+
+// acc[i] += sum_t weights[t][i] values[t][its KV head] for the tile's rows t < filled: each accumulator is loaded
+// and stored once for the tile.
+static void accumulate_tile(float *acc, float (*weights)[64], const float *values, int64_t row_values, int filled,
+                            int64_t heads, int64_t group, int64_t dim) {
+    for (int64_t i = 0; i < heads; i++) {
+        float *a = acc + i * dim;
+        const float *v = values + (i / group) * dim;
+        if (filled == TILE_ROWS) {
+            float p0 = weights[0][i], p1 = weights[1][i], p2 = weights[2][i], p3 = weights[3][i];
+            const float *v0 = v, *v1 = v + row_values, *v2 = v + 2 * row_values, *v3 = v + 3 * row_values;
+            for (int64_t d = 0; d < dim; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+        } else {
+            for (int t = 0; t < filled; t++)
+                for (int64_t d = 0; d < dim; d++) a[d] += weights[t][i] * v[t * row_values + d];
+        }
+    }
+}
+
+// A row, K and V, asked for ahead of its scores: its V half is read again in the second pass, from the caches.
+static void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 2);  // to L2: L1 has too few fill buffers
+}
+
+// Request b's outputs: 0, or 2 when its scores could not be allocated.
+static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, int64_t length, const char *q,
+                          int q_bf16, float scale, int64_t kv_heads, int64_t group, int64_t dim, char *out) {
+    int64_t heads = kv_heads * group, half_values = kv_heads * dim, element = pool_bf16 ? 2 : 4;
+    int64_t half_bytes = half_values * element;
+    float queries[heads * dim], acc[heads * dim], keys[half_values], tile[TILE_ROWS * half_values];
+    float weights[TILE_ROWS][64];
+    widen(q, q_bf16, heads * dim, queries);
+    float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
+    if (!scores) return 2;
+    int64_t valid = 0;
+    for (int64_t j = 0; j < length; j++) {
+        if (j + PREFETCH_AHEAD < length && rows[j + PREFETCH_AHEAD] >= 0)
+            prefetch_row(pool + rows[j + PREFETCH_AHEAD] * 2 * half_bytes, 2 * half_bytes);
+        if (rows[j] < 0) {
+            for (int64_t i = 0; i < heads; i++) scores[i * length + j] = -INFINITY;
+            continue;
+        }
+        valid++;
+        widen(pool + rows[j] * 2 * half_bytes, pool_bf16, half_values, keys);
+        score_row(queries, keys, heads, group, dim, scale, scores, length, j);
+    }
+    float inverse[heads];
+    for (int64_t i = 0; i < heads; i++) inverse[i] = valid ? 1.0f / softmax_numerators(scores + i * length, length) : 0.0f;
+    memset(acc, 0, sizeof acc);
+    int filled = 0;
+    for (int64_t j = 0; j < length && valid; j++) {
+        if (rows[j] < 0) continue;
+        widen(pool + rows[j] * 2 * half_bytes + half_bytes, pool_bf16, half_values, tile + filled * half_values);
+        for (int64_t i = 0; i < heads; i++) weights[filled][i] = scores[i * length + j];
+        if (++filled == TILE_ROWS) {
+            accumulate_tile(acc, weights, tile, half_values, filled, heads, group, dim);
+            filled = 0;
+        }
+    }
+    if (filled) accumulate_tile(acc, weights, tile, half_values, filled, heads, group, dim);
+    free(scores);
+    for (int64_t i = 0; i < heads; i++) {
+        for (int64_t d = 0; d < dim; d++) {
+            float value = acc[i * dim + d] * inverse[i];
+            if (q_bf16) ((uint16_t *)out)[i * dim + d] = float_to_bf16(value);
+            else ((float *)out)[i * dim + d] = value;
+        }
+    }
+    return 0;
+}
+
+// out [batch, kv_heads x group, dim] (q's dtype, contiguous) = softmax((q . K) scale) V over the pool rows
+// rows[b, j] >= 0 (rows [batch, length]) of each request, a request without rows getting zeros. pool: rows of K then
+// V ([kv_heads, dim] each), bfloat16 or float32; q: [batch, heads, dim], request b at b x q_stride values, bfloat16
+// or float32. Returns 0; 1 (nothing written) when a row is outside [-1, pool_rows); 2 when memory ran out;
+// 3 when the heads do not fit (more than 64 query heads or MAX_HEAD_VALUES values).
+int decode_attention(const void *pool, int64_t pool_rows, int pool_bf16, const int64_t *rows, int64_t batch,
+                     int64_t length, const void *q, int64_t q_stride, int q_bf16, float scale, int64_t kv_heads,
+                     int64_t group, int64_t dim, void *out, int parallel) {
+    if (kv_heads * group > 64 || kv_heads * group * dim > MAX_HEAD_VALUES) return 3;
+    for (int64_t i = 0; i < batch * length; i++)
+        if (rows[i] < -1 || rows[i] >= pool_rows) return 1;
+    int64_t heads = kv_heads * group, q_element = q_bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel for if (parallel) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t b = 0; b < batch; b++)
+        failed |= attend_request(pool, pool_bf16, rows + b * length, length, (const char *)q + b * q_stride * q_element,
+                                 q_bf16, scale, kv_heads, group, dim, (char *)out + b * heads * dim * q_element);
+    return failed;
+}
