@@ -104,11 +104,15 @@ class LlamaIndexer(LightningIndexer):
         q, w = projected[:, :heads * dim].float(), projected[:, heads * dim + dim:]
         return rotation(q.view(n, heads, dim)), self.key_from_projection(projected, rotation), self.finish_weights(w)
 
-    def key_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation) -> torch.Tensor:
+    def key_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation,
+                            start: int | None = None) -> torch.Tensor:
         """`from_projection`'s key alone, for a step whose attention reads no indexer queries
-        (`AttentionBackend.reads_index_queries`). On the CPU one compiled call (`kernels.indexer_key_cpu`) derives
-        it, whether the queries are computed or not, so a key's bytes never depend on the step."""
-        start, norm = self.n_heads * self.head_dim, self.k_norm
+        (`AttentionBackend.reads_index_queries`); start: the key's first column in `projected` (default: after the
+        query heads, as projection_weight() orders them; 0 for the key's rows projected alone). On the CPU one
+        compiled call (`kernels.indexer_key_cpu`) derives it, whether the queries are computed or not, so a key's
+        bytes never depend on the step."""
+        norm = self.k_norm
+        start = self.n_heads * self.head_dim if start is None else start
         if (projected.is_cpu and projected.dtype in (torch.bfloat16, torch.float32) and rotation.cos.is_cpu
                 and not (torch.is_grad_enabled() and norm.weight.requires_grad) and indexer_key_cpu.available()):
             return indexer_key_cpu.indexer_key(projected, start, norm.weight, norm.bias, norm.eps, rotation.cos,

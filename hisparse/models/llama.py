@@ -69,6 +69,7 @@ class LlamaAttention(nn.Module):
         self.o: InferenceWeight | None = None
         self.indexer: nn.Module | None = None  # a lightning indexer, when the model is made sparse
         self.index_proj: InferenceWeight | None = None  # its projections, fused (see prepare_for_inference)
+        self.index_key_proj: InferenceWeight | None = None  # the key's rows alone, in int8
         self._prepared_indexer: nn.Module | None = None
 
     def prepare_for_inference(self, quantization: str = "none") -> None:
@@ -77,10 +78,15 @@ class LlamaAttention(nn.Module):
         self.qkv = InferenceWeight.fused(self.q_proj, self.k_proj, self.v_proj, quantization=quantization)
         self.o = InferenceWeight.fused(self.o_proj, quantization=quantization)
         self._prepared_indexer = self.indexer
+        self.index_key_proj = None
         if self.indexer is not None:
-            self.index_proj = InferenceWeight(self.indexer.projection_weight().to(self.q_proj.weight.dtype),
-                                              "int8" if quantization == "int4" else quantization,
-                                              dense_from=SMALL_WEIGHT_DENSE_FROM)
+            weight = self.indexer.projection_weight().to(self.q_proj.weight.dtype)
+            kind = "int8" if quantization == "int4" else quantization
+            self.index_proj = InferenceWeight(weight, kind, dense_from=SMALL_WEIGHT_DENSE_FROM)
+            if kind == "int8":  # one scale per output row: the key's rows alone give the full product's key bits
+                start = self.indexer.n_heads * self.indexer.head_dim
+                self.index_key_proj = InferenceWeight(weight[start:start + self.indexer.head_dim], kind,
+                                                      dense_from=SMALL_WEIGHT_DENSE_FROM)
 
     def forward(self, x: torch.Tensor, rope: HalfSplitRotation, index_rope: HalfSplitRotation | None,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -95,13 +101,19 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         index = {}
         if self.indexer is not None:
-            projected = (self.index_proj(x) if self.indexer is self._prepared_indexer
-                         else F.linear(x.float(), self.indexer.projection_weight()))
-            if backend.reads_index_queries:
-                index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
-                index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
-            else:  # the keys are stored for later steps; nothing scores this one
-                index = {"index_k": self.indexer.key_from_projection(projected, index_rope)}
+            prepared = self.indexer is self._prepared_indexer
+            if not backend.reads_index_queries and prepared and self.index_key_proj is not None \
+                    and self.index_key_proj.quantized_for(n):
+                # the keys are stored for later steps and nothing scores this one: the key's rows alone
+                key = self.index_key_proj(x)
+                index = {"index_k": self.indexer.key_from_projection(key, index_rope, start=0)}
+            else:
+                projected = self.index_proj(x) if prepared else F.linear(x.float(), self.indexer.projection_weight())
+                if backend.reads_index_queries:
+                    index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
+                    index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
+                else:
+                    index = {"index_k": self.indexer.key_from_projection(projected, index_rope)}
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
         return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
 

@@ -106,3 +106,41 @@ def test_refusals(tmp_path, forbid):
     forbid(loader, "load_dsa_model")  # refused before the weights load
     with pytest.raises(ValueError, match="quantization 'int4' is not available for GlmMoeDsaForCausalLM"):
         LLMEngine(EngineConfig(model=str(tmp_path), quantization="int4"))
+
+
+def test_steps_that_score_nothing_project_the_index_keys_rows_alone(quantized, tokenizer, text_ids, monkeypatch):
+    """With the indexer's projection in int8 (one scale per output row), a step that scores nothing multiplies by
+    the key's rows alone: the tokens and the stored key bytes are those of the full projection."""
+    from hisparse import SamplingParams
+    from hisparse.engine.llm_engine import LLMEngine
+    from hisparse.layers.indexer import LlamaIndexer
+
+    model = quantized["int4"]
+    key_weights = [layer.attn.index_key_proj for layer in model.layers]
+    assert all(w is not None and w.kind == "int8" for w in key_weights)
+
+    def run(key_rows_alone: bool):
+        for layer, weight in zip(model.layers, key_weights, strict=True):
+            layer.attn.index_key_proj = weight if key_rows_alone else None
+        starts = []
+        original = LlamaIndexer.key_from_projection
+        monkeypatch.setattr(LlamaIndexer, "key_from_projection",
+                            lambda self, p, r, start=None: starts.append(start) or original(self, p, r, start))
+        engine = LLMEngine(EngineConfig(quantization="int4"), model=model, tokenizer=tokenizer)
+        request = engine.add_request(text_ids[:12], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        engine.step()
+        slots = torch.as_tensor(request.kv.index_slots[:12 + 19]).clone()
+        while not request.finished:
+            engine.step()
+        monkeypatch.undo()
+        return request.output_token_ids, engine.cache.index_cache.rows[:, slots].clone(), starts
+
+    try:
+        tokens, keys, starts = run(key_rows_alone=True)
+        full_tokens, full_keys, full_starts = run(key_rows_alone=False)
+    finally:
+        for layer, weight in zip(model.layers, key_weights, strict=True):
+            layer.attn.index_key_proj = weight
+    assert set(starts) == {0} and None in full_starts and 0 not in full_starts
+    assert tokens == full_tokens
+    assert torch.equal(keys, full_keys)
