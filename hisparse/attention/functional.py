@@ -91,7 +91,8 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
     other layouts and devices gather and unpack the rows for SDPA."""
     wide = (torch.float32, torch.bfloat16)
     if (isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in wide and q.dtype in wide
-            and q.shape[1] <= decode_attention_cpu.MAX_QUERY_HEADS and decode_attention_cpu.available()):
+            and q.shape[1] <= decode_attention_cpu.MAX_QUERY_HEADS
+            and q.shape[1] * q.shape[2] <= decode_attention_cpu.MAX_HEAD_VALUES and decode_attention_cpu.available()):
         return decode_attention_cpu.sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads,
                                                             layout.head_dim)
     k, v = layout.unpack(gather_rows(pool, rows.clamp(min=0)))

@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
 #include <immintrin.h>
 #endif
 
@@ -50,7 +50,7 @@ static inline float exp_nonpositive(float x) {
     return p * power.f;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
 static inline __m512 exp_nonpositive16(__m512 x) {
     __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)), _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -96,7 +96,7 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
 // scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i.
 static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t dim, float scale,
                       float *scores, int64_t stride, int64_t j) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
     if (dim % 16 == 0) {
         for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
             int64_t h[4];
@@ -117,7 +117,7 @@ static void score_row(const float *queries, const float *keys, int64_t heads, in
 static float softmax_numerators(float *s, int64_t n) {
     float top = -INFINITY, total = 0.0f;
     int64_t j = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
     __m512 tops = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + j));
     top = _mm512_reduce_max_ps(tops);

@@ -65,6 +65,8 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     rounded to bfloat16 (to nearest even, as `.to` does) inside the kernel: at one token the conversions around
     it cost more than the attention. A request without rows gets zeros.
     """
+    if not (pool.is_cpu and rows.is_cpu and q.is_cpu):
+        raise ValueError("sparse_decode_attention reads CPU memory: pool, rows and q must be CPU tensors")
     if pool.dtype not in _DTYPES or pool.dim() != 2 or not pool.is_contiguous():
         raise ValueError(f"the pool must be a contiguous 2-d float32 or bfloat16 tensor, got {pool.dim()}-d "
                          f"{pool.dtype}")

@@ -15,10 +15,17 @@ int write_int8_keys(uint8_t *rows, int64_t pool_rows, const int64_t *slots, cons
     for (int64_t i = 0; i < n; i++) {
         const float *key = keys + i * dim;
         float top = 0.0f;
-        for (int64_t d = 0; d < dim; d++) top = fmaxf(top, fabsf(key[d]));
-        float scale = fmaxf(top, 1e-12f) / 127.0f;
+        int nan = 0;
+        for (int64_t d = 0; d < dim; d++) {
+            nan |= isnan(key[d]);
+            top = fmaxf(top, fabsf(key[d]));
+        }
+        float scale = nan ? NAN : fmaxf(top, 1e-12f) / 127.0f;  // a NaN key: a NaN scale and values 0, as pack
         uint8_t *row = rows + slots[i] * (dim + 4);
-        for (int64_t d = 0; d < dim; d++) row[d] = (uint8_t)(int8_t)nearbyintf(key[d] / scale);
+        for (int64_t d = 0; d < dim; d++) {  // a NaN quotient (NaN or inf keys) is 0, never a cast of a NaN
+            float q = key[d] / scale;
+            row[d] = isnan(q) ? 0 : (uint8_t)(int8_t)nearbyintf(q);
+        }
         memcpy(row + dim, &scale, sizeof scale);
     }
     return 0;

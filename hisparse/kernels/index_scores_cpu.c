@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
 #include <immintrin.h>
 #endif
 
@@ -31,7 +31,7 @@ static inline float score_scalar(const int8_t *key, const float *q, const float 
     return total;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
 // The dot products of four heads' queries (rows `dim` apart from q) with a key widened into k [chunks], summed
 // across their lanes together: [4] floats.
 static inline __attribute__((always_inline)) __m128 four_dots(const __m512 *k, const float *q, int64_t dim,
@@ -74,13 +74,16 @@ static inline __attribute__((always_inline)) float score_avx512(const int8_t *ke
 
 // out [batch, width]: sum_h w[b, h] ReLU(q[b, h] . key) x scale of the key row at slots[b, p] (rows of row_bytes:
 // dim int8 values, then the float32 scale), -inf from lengths[b] on, +inf at lengths[b] - 1. q [batch, heads,
-// dim], w [batch, heads] float32. Returns 0, or 1 when a slot read is outside [0, num_rows).
+// dim], w [batch, heads] float32. Returns 0; 1 when a slot read is outside [0, num_rows); 2 (nothing written) when a
+// length is outside [0, width].
 int int8_past_scores(const uint8_t *rows, int64_t row_bytes, int64_t num_rows, int64_t dim, const int64_t *slots,
                      int64_t batch, int64_t width, const float *q, const float *w, int64_t heads,
                      const int64_t *lengths, float *out, int parallel) {
+    for (int64_t b = 0; b < batch; b++)
+        if (lengths[b] < 0 || lengths[b] > width) return 2;
     int64_t tiles = (width + TILE - 1) / TILE;
     int bad = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
     int wide = dim % 16 == 0 && dim / 16 <= MAX_CHUNKS;
 #endif
     #pragma omp parallel for if (parallel) schedule(dynamic, 1) reduction(| : bad)
@@ -104,7 +107,7 @@ int int8_past_scores(const uint8_t *rows, int64_t row_bytes, int64_t num_rows, i
             const uint8_t *row = rows + s * row_bytes;
             float scale;
             memcpy(&scale, row + dim, sizeof scale);
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
             // the common head dims as constants, so that the widened key stays in registers
             float score = dim == 64    ? score_avx512((const int8_t *)row, qb, wb, heads, 64, 4)
                           : dim == 128 ? score_avx512((const int8_t *)row, qb, wb, heads, 128, 8)

@@ -54,13 +54,16 @@ def int8_past_scores(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: 
             or not rows.is_contiguous() or q.shape != (batch, heads, head_dim) or w.shape != (batch, heads)
             or lengths.shape != (batch,) or q.dtype != torch.float32 or w.dtype != torch.float32
             or slots.dtype != torch.int64 or lengths.dtype != torch.int64
-            or not all(t.is_contiguous() and t.is_cpu for t in (slots, q, w, lengths))):
+            or not rows.is_cpu or not all(t.is_contiguous() and t.is_cpu for t in (slots, q, w, lengths))):
         raise ValueError(f"int8_past_scores takes uint8 rows [N, {head_dim + 4}] (head_dim a multiple of 4), "
                          f"int64 slots [B, W] and lengths [B], float32 q [B, H, {head_dim}] and w [B, H], contiguous "
                          f"in CPU memory")
     out = torch.empty(batch, width)
-    if _LIBRARY.load().int8_past_scores(rows.data_ptr(), rows.shape[1], rows.shape[0], head_dim, slots.data_ptr(),
-                                        batch, width, q.data_ptr(), w.data_ptr(), heads, lengths.data_ptr(),
-                                        out.data_ptr(), batch * width >= PARALLEL_MIN_KEYS):
+    error = _LIBRARY.load().int8_past_scores(rows.data_ptr(), rows.shape[1], rows.shape[0], head_dim,
+                                             slots.data_ptr(), batch, width, q.data_ptr(), w.data_ptr(), heads,
+                                             lengths.data_ptr(), out.data_ptr(), batch * width >= PARALLEL_MIN_KEYS)
+    if error == 2:
+        raise ValueError(f"int8_past_scores: lengths must be in [0, {width}] (the slots' width)")
+    if error:
         raise ValueError(f"int8_past_scores: a slot is outside the key rows [0, {rows.shape[0]})")
     return out

@@ -29,6 +29,7 @@ def _declare(library: ctypes.PyDLL) -> None:
 
 
 _ROW_DTYPES = (torch.bfloat16, torch.float32)
+MAX_DIM = 4096  # the C loop keeps a key's values on the stack
 _LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the indexer keeps PyTorch's ops")
 
 
@@ -45,13 +46,14 @@ def indexer_key(projected: torch.Tensor, start: int, weight: torch.Tensor, bias:
     float32, a `HalfSplitRotation`'s factors over its 2 * half rotated dims. All in CPU memory."""
     dim, float32 = weight.shape[0], torch.float32
     n, width = projected.shape if projected.dim() == 2 else (-1, -1)
-    if (width < 0 or projected.dtype not in _ROW_DTYPES or start < 0 or start + dim > width
+    if (width < 0 or not 0 < dim <= MAX_DIM or projected.dtype not in _ROW_DTYPES or start < 0 or start + dim > width
             or bias.shape != weight.shape or cos.shape != (n, 1, dim) or sin.shape != cos.shape
             or not 0 <= 2 * half <= dim
             or weight.dtype != float32 or bias.dtype != float32 or cos.dtype != float32 or sin.dtype != float32
             or not (projected.is_cpu and weight.is_cpu and bias.is_cpu and cos.is_cpu and sin.is_cpu)):
         raise ValueError(f"indexer_key takes rows [N, >= {start + dim}] (bfloat16 or float32), a float32 LayerNorm "
-                         f"of {dim} and float32 cos, sin [N, 1, {dim}] over at most {dim} rotated dims, in CPU memory")
+                         f"of {dim} (1 to {MAX_DIM}) and float32 cos, sin [N, 1, {dim}] over at most {dim} rotated "
+                         f"dims, in CPU memory")
     projected, weight, bias, cos, sin = (projected.contiguous(), weight.contiguous(), bias.contiguous(),
                                          cos.contiguous(), sin.contiguous())
     out = torch.empty(n, dim)

@@ -26,7 +26,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, the norm of it): a residual stream's add and the norm that reads it, one call on the CPU."""
-        if self._compiled(x) and delta.dtype == x.dtype and delta.is_cpu:
+        if self._compiled(x) and delta.dtype == x.dtype and delta.is_cpu and not (torch.is_grad_enabled()
+                                                                                  and delta.requires_grad):
             return rms_norm_cpu.rms_norm(x, self.weight, self.eps, delta)
         x = x + delta
         return x, self(x)

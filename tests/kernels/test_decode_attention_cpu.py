@@ -115,3 +115,18 @@ def test_attend_rows_falls_back_to_gather_and_sdpa_for_other_pools():
     got = attend_rows(pool, rows, q, 0.5, KVLayout(1, 2, 8, torch.float16))
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), sdpa(pool, rows, q, 0.5, 2, 8), rtol=2e-3, atol=2e-3)
+
+
+def test_tensors_outside_cpu_memory_are_refused():
+    with pytest.raises(ValueError, match="CPU tensors"):
+        sparse_decode_attention(torch.zeros(4, 8, device="meta"), torch.zeros(1, 2, dtype=torch.int64),
+                                torch.zeros(1, 2, 2), 1.0, 2, 2)
+
+
+def test_heads_too_wide_for_the_kernel_go_through_sdpa():
+    """More query-head values than the kernel keeps on its stack: attend_rows gathers the rows for SDPA."""
+    pool = torch.randn(6, 2 * 1 * 512)
+    rows = torch.tensor([[0, 3, -1]])
+    q = torch.randn(1, 40, 512)
+    got = attend_rows(pool, rows, q, 0.05, KVLayout(1, 1, 512, torch.float32))
+    torch.testing.assert_close(got, sdpa(pool, rows, q, 0.05, 1, 512), rtol=1e-5, atol=1e-5)

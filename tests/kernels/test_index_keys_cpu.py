@@ -34,3 +34,12 @@ def test_out_of_range_slots_are_refused_and_nothing_is_written():
         with pytest.raises(ValueError, match="slots must be"):
             write_int8_keys(rows, slots, torch.ones(2, 64))
         assert not rows.any()
+
+
+def test_a_nan_key_is_stored_with_a_nan_scale_and_zero_values():
+    rows = torch.zeros(3, 68, dtype=torch.uint8)
+    keys = torch.randn(2, 64)
+    keys[1, 7] = float("nan")
+    write_int8_keys(rows, torch.tensor([0, 2]), keys)
+    assert torch.isnan(rows[2, 64:].view(torch.float32)).all() and not rows[2, :64].any()
+    assert torch.isfinite(rows[0, 64:].view(torch.float32)).all()

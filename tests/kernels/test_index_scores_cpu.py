@@ -85,3 +85,9 @@ def test_a_slot_outside_the_key_rows_is_refused():
     cache = random_cache(3, 64, 16)
     with pytest.raises(ValueError, match=r"a slot is outside the key rows \[0, 16\)"):
         cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), torch.tensor([[3, 16, 5]]), torch.tensor([3]))
+
+
+def test_lengths_past_the_slots_width_are_refused():
+    cache = random_cache(4, 64, 16)
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, 3\]"):
+        cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), torch.tensor([[3, 4, 5]]), torch.tensor([100]))

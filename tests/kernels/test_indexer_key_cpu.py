@@ -69,3 +69,11 @@ def test_refusals():
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         indexer_key_cpu.indexer_key(torch.randn(3, 194).half(), 128, norm.weight, norm.bias, 1e-6, rotation.cos,
                                     rotation.sin, rotation.half)
+
+
+def test_a_projection_that_wants_gradients_takes_pytorchs_path():
+    indexer, rotation = indexer_and_rotation(3)
+    indexer.requires_grad_(False)
+    projected = torch.randn(3, 2 * 64 + 64 + 2, requires_grad=True)
+    indexer.key_from_projection(projected, rotation).sum().backward()
+    assert projected.grad is not None

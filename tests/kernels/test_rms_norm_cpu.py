@@ -65,3 +65,11 @@ def test_refusals():
         rms_norm_cpu.rms_norm(torch.randn(2, 32).bfloat16(), weight, 1e-5)
     with pytest.raises(ValueError, match="a delta shaped alike"):
         rms_norm_cpu.rms_norm(torch.randn(2, 64).bfloat16(), weight, 1e-5, torch.randn(1, 64).bfloat16())
+
+
+def test_a_delta_that_wants_gradients_takes_pytorchs_path():
+    module = norm(64).requires_grad_(False)
+    x, delta = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16().requires_grad_(True)
+    total, out = module.add_and_norm(x, delta)
+    out.float().sum().backward()
+    assert total.grad_fn is not None and delta.grad is not None
