@@ -10,10 +10,8 @@ rows ahead and widened to float32 as it is read (a bfloat16 is the top 16 bits o
 half is widened once and scored by every query head; then the softmax; then the V halves, four rows at a time,
 are weighted into the output (each accumulator load and store serves the four).
 
-The first version of this kernel was numba's, then compiled per head layout so that every loop had a constant
-length: against its first form, 0.907x the time of a batch-16 HiSparse decode step (figures in issue 6's notes).
-In C the query heads are scored four at a time, their dot products summed across lanes together (a horizontal
-sum per head cost as much as the products), and the softmax's exponential is a vectorized polynomial. Built on
+The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
+per head costs as much as the products), and the softmax's exponential is a vectorized polynomial. Built on
 first use (`kernels.c_library`); where it cannot be (no gcc), `available()` is False and `attend_rows` gathers the
 rows for SDPA.
 

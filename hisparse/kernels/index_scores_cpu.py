@@ -9,8 +9,8 @@ caches flushed before each call; our 2-core machine): 0.24-0.27x the PyTorch pat
 0.27-0.41x at 4, 0.26-0.29x at 8, 0.30x at 16.
 
 The reference is `IndexSelector.past_scores_reference` (the PyTorch path); the two agree to float32
-rounding (the sums run in another order) and exactly on the masks. The first version was numba's; this one
-widens each key once and takes each head's dot product in a few AVX-512 FMAs (~60 cycles a key before).
+rounding (the sums run in another order) and exactly on the masks. Each key is widened once, each head's dot
+product is a few AVX-512 FMAs, and four heads' products are summed across lanes together (see the C file).
 Built on first use (`kernels.c_library`); where it cannot be (no gcc), `available()` is False and selection
 scores with PyTorch.
 """
