@@ -89,10 +89,7 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
     """Decode attention of q [B, Hq, Dk], one query per request, over the pool rows rows [B, L] (-1: none).
     On the CPU, K/V rows of float32 or bfloat16 are read where they lie (`kernels.decode_attention_cpu`);
     other layouts and devices gather and unpack the rows for SDPA."""
-    wide = (torch.float32, torch.bfloat16)
-    if (isinstance(layout, KVLayout) and pool.device.type == "cpu" and pool.dtype in wide and q.dtype in wide
-            and q.shape[1] <= decode_attention_cpu.MAX_QUERY_HEADS
-            and q.shape[1] * q.shape[2] <= decode_attention_cpu.MAX_HEAD_VALUES and decode_attention_cpu.available()):
+    if isinstance(layout, KVLayout) and decode_attention_cpu.takes(pool, q) and decode_attention_cpu.available():
         return decode_attention_cpu.sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads,
                                                             layout.head_dim)
     k, v = layout.unpack(gather_rows(pool, rows.clamp(min=0)))

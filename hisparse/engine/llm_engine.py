@@ -448,8 +448,7 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self.scheduler.finish(request, reason)
         self.stats.finished_requests += 1
-        forgotten = self.placement.forget(request.request_id) if self.placement is not None else None
-        stand_in = forgotten is not None
+        stand_in = self.placement is not None and self.placement.forget(request.request_id) is not None
         if request.record_topk and self.config.topk_trace_dir is not None and not stand_in and (
                 self.tp.rank == 0 or self.tp.dp_attention):  # the rank that ran it saves its selections
             from hisparse.engine.topk_trace import save_request_trace

@@ -20,10 +20,19 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 COMMAND = ("gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The argument types the kernels' signatures use: a tensor's data_ptr(), an int64_t, an int (a flag), a float.
+POINTER, INT64, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def autograd_records(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these tensors. The C kernels' outputs carry no gradient, so callers
+    keep PyTorch's ops then (an engine step runs under inference mode: the first test settles it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def cpu_flags() -> set[str]:
@@ -41,14 +50,14 @@ def cpu_flags() -> set[str]:
 class CLibrary:
     """One C file's library, built and loaded on first use by whichever thread asks first.
 
-    declare(library) sets the functions' argument and result types. `load()` is None where the library cannot be
-    had: no gcc, no source in this install, a missing CPU flag, or `disable_env` set to 1; a failed build also
-    warns with gcc's message, naming `fallback` (what callers do instead)."""
+    functions: each exported function's (result type, argument types), None for void. `load()` is None where the
+    library cannot be had: no gcc, no source in this install, a missing CPU flag, or `disable_env` set to 1; a
+    failed build also warns with gcc's message, naming `fallback` (what callers do instead)."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.PyDLL], None], fallback: str,
+    def __init__(self, source: Path, functions: dict[str, tuple[type | None, list[type]]], fallback: str,
                  required_flags: tuple[str, ...] = (), disable_env: str | None = None) -> None:
         self.source = source
-        self.declare = declare
+        self.functions = functions
         self.fallback = fallback
         self.required_flags = required_flags
         self.disable_env = disable_env
@@ -56,10 +65,15 @@ class CLibrary:
         self._loading = threading.Lock()
 
     def load(self) -> ctypes.PyDLL | None:
-        with self._loading:
-            if self._library is False:
-                self._library = self._build_and_load()
+        if self._library is False:  # the lock only until the first answer: a decode step asks thousands of times
+            with self._loading:
+                if self._library is False:
+                    self._library = self._build_and_load()
         return self._library
+
+    def available(self) -> bool:
+        """Whether the library is loaded (building it on first use)."""
+        return self.load() is not None
 
     def _build_and_load(self) -> ctypes.PyDLL | None:
         flags = cpu_flags()
@@ -97,7 +111,9 @@ class CLibrary:
             except (OSError, subprocess.SubprocessError) as error:
                 failure = str(error)
                 continue
-            self.declare(library)
+            for name, (result, arguments) in self.functions.items():
+                function = getattr(library, name)
+                function.restype, function.argtypes = result, arguments
             return library
         warnings.warn(f"{self.source.name} could not be built or loaded, so {self.fallback}: {failure}",
                       RuntimeWarning, stacklevel=4)

@@ -11,10 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
-#include <immintrin.h>
-#endif
 
+#include "avx512.h"
 #include "bfloat16.h"
 
 #pragma GCC target("prefer-vector-width=512")  // the plain loops (widening, weighting V) in full-width vectors
@@ -50,7 +48,7 @@ static inline float exp_nonpositive(float x) {
     return p * power.f;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
 static inline __m512 exp_nonpositive16(__m512 x) {
     __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)), _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -77,13 +75,7 @@ static inline __m128 four_dots(const float *q0, const float *q1, const float *q2
         a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + d), _mm512_loadu_ps(k2 + d), a2);
         a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), _mm512_loadu_ps(k3 + d), a3);
     }
-    __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
-    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
-    __m512 t = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    return lane_sums4(a0, a1, a2, a3);
 }
 #endif
 
@@ -96,7 +88,7 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
 // scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i.
 static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t dim, float scale,
                       float *scores, int64_t stride, int64_t j) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
     if (dim % 16 == 0) {
         for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
             int64_t h[4];
@@ -117,7 +109,7 @@ static void score_row(const float *queries, const float *keys, int64_t heads, in
 static float softmax_numerators(float *s, int64_t n) {
     float top = -INFINITY, total = 0.0f;
     int64_t j = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
     __m512 tops = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + j));
     top = _mm512_reduce_max_ps(tops);

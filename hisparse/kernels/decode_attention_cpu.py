@@ -20,12 +20,11 @@ Rows whose index is -1 take no part; a request with none gets zeros.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary
 from hisparse.kernels.numba_threads import on_torch_team
 
 # batch x rows from which requests run in parallel. On torch's own OpenMP team (numba_threads) a parallel region
@@ -36,20 +35,20 @@ MAX_QUERY_HEADS = 64  # the C file's
 MAX_HEAD_VALUES = 16384  # query heads x head dim, the C file's
 
 
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.decode_attention.restype = ctypes.c_int
-    library.decode_attention.argtypes = [pointer, count, flag, pointer, count, count, pointer, count, flag,
-                                         ctypes.c_float, count, count, count, pointer, flag]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "decode attention gathers rows for SDPA")
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"decode_attention": (INT, [POINTER, INT64, INT, POINTER, INT64, INT64, POINTER, INT64, INT, FLOAT, INT64, INT64,
+                                INT64, POINTER, INT])},
+    "decode attention gathers rows for SDPA")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+def takes(pool: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether `sparse_decode_attention` reads this pool and these queries: CPU memory, float32 or bfloat16, query
+    heads within what the C file keeps on its stack."""
+    return (pool.is_cpu and q.is_cpu and pool.dtype in _DTYPES and q.dtype in _DTYPES and q.dim() == 3
+            and q.shape[1] <= MAX_QUERY_HEADS and q.shape[1] * q.shape[2] <= MAX_HEAD_VALUES)
 
 
 def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,

@@ -10,26 +10,17 @@ cache writes with PyTorch's ops.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 
-
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.write_int8_keys.restype = ctypes.c_int
-    library.write_int8_keys.argtypes = [pointer, count, pointer, pointer, count, count]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the indexer keys are written by PyTorch's ops")
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"write_int8_keys": (INT, [POINTER, INT64, POINTER, POINTER, INT64, INT64])},
+    "the indexer keys are written by PyTorch's ops")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 def write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:

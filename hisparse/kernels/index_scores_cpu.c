@@ -11,9 +11,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
-#include <immintrin.h>
-#endif
+
+#include "avx512.h"
 
 #define TILE 256          // positions per parallel work item
 #define PREFETCH_AHEAD 8  // positions
@@ -31,7 +30,7 @@ static inline float score_scalar(const int8_t *key, const float *q, const float 
     return total;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
 // The dot products of four heads' queries (rows `dim` apart from q) with a key widened into k [chunks], summed
 // across their lanes together: [4] floats.
 static inline __attribute__((always_inline)) __m128 four_dots(const __m512 *k, const float *q, int64_t dim,
@@ -41,14 +40,7 @@ static inline __attribute__((always_inline)) __m128 four_dots(const __m512 *k, c
         a[h] = _mm512_mul_ps(_mm512_loadu_ps(q + h * dim), k[0]);
         for (int64_t c = 1; c < chunks; c++) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim + 16 * c), k[c], a[h]);
     }
-    // per 128-bit lane: [a0 a1 a0 a1] pairs, then [a0 a1 a2 a3], then the four lanes added
-    __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
-    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
-    __m512 t = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    return lane_sums4(a[0], a[1], a[2], a[3]);
 }
 
 static inline __attribute__((always_inline)) float score_avx512(const int8_t *key, const float *q, const float *w,
@@ -83,7 +75,7 @@ int int8_past_scores(const uint8_t *rows, int64_t row_bytes, int64_t num_rows, i
         if (lengths[b] < 0 || lengths[b] > width) return 2;
     int64_t tiles = (width + TILE - 1) / TILE;
     int bad = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
     int wide = dim % 16 == 0 && dim / 16 <= MAX_CHUNKS;
 #endif
     #pragma omp parallel for if (parallel) schedule(dynamic, 1) reduction(| : bad)
@@ -107,7 +99,7 @@ int int8_past_scores(const uint8_t *rows, int64_t row_bytes, int64_t num_rows, i
             const uint8_t *row = rows + s * row_bytes;
             float scale;
             memcpy(&scale, row + dim, sizeof scale);
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: _mm512_extractf32x8_ps
+#ifdef AVX512_PATHS
             // the common head dims as constants, so that the widened key stays in registers
             float score = dim == 64    ? score_avx512((const int8_t *)row, qb, wb, heads, 64, 4)
                           : dim == 128 ? score_avx512((const int8_t *)row, qb, wb, heads, 128, 8)

@@ -17,29 +17,21 @@ scores with PyTorch.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 
 PARALLEL_MIN_KEYS = 4096  # below this a parallel region costs more than it saves
 
 
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.int8_past_scores.restype = ctypes.c_int
-    library.int8_past_scores.argtypes = [pointer, count, count, count, pointer, count, count, pointer, pointer,
-                                         count, pointer, pointer, ctypes.c_int]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the indexer scores with PyTorch")
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"int8_past_scores": (INT, [POINTER, INT64, INT64, INT64, POINTER, INT64, INT64, POINTER, POINTER, INT64,
+                                POINTER, POINTER, INT])},
+    "the indexer scores with PyTorch")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 def int8_past_scores(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.Tensor, w: torch.Tensor,

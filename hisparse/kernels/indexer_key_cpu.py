@@ -13,29 +13,20 @@ keeps PyTorch's ops.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
-
-
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.indexer_key.restype = None
-    library.indexer_key.argtypes = [pointer, count, count, ctypes.c_int, pointer, pointer, ctypes.c_float, pointer,
-                                    pointer, count, pointer, count, count]
-
+from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary
 
 _ROW_DTYPES = (torch.bfloat16, torch.float32)
 MAX_DIM = 4096  # the C loop keeps a key's values on the stack
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the indexer keeps PyTorch's ops")
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"indexer_key": (None, [POINTER, INT64, INT64, INT, POINTER, POINTER, FLOAT, POINTER, POINTER, INT64, POINTER,
+                            INT64, INT64])},
+    "the indexer keeps PyTorch's ops")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 def indexer_key(projected: torch.Tensor, start: int, weight: torch.Tensor, bias: torch.Tensor, eps: float,

@@ -8,26 +8,17 @@ of the projection they lie in. Built on first use (`kernels.c_library`); where i
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 
-
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.write_kv_rows.restype = ctypes.c_int
-    library.write_kv_rows.argtypes = [pointer, count, count, pointer, count, pointer, count, pointer, count, count]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "the K/V rows are written by PyTorch's ops")
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"write_kv_rows": (INT, [POINTER, INT64, INT64, POINTER, INT64, POINTER, INT64, POINTER, INT64, INT64])},
+    "the K/V rows are written by PyTorch's ops")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 def takes(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -15,13 +15,12 @@ HISPARSE_DISABLE_VNNI=1, `available()` is False and callers keep PyTorch's kerne
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 
 SOURCE = Path(__file__).with_suffix(".c")
 BLOCK = 32  # inputs per block
@@ -29,13 +28,11 @@ MAX_BATCH = 4  # the C file's: from batch 5 the dense bfloat16 head is faster (2
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 
 
-def _declare(library: ctypes.PyDLL) -> None:
-    library.q8_0_matmul.restype = ctypes.c_int
-    library.q8_0_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-
-
-_LIBRARY = CLibrary(SOURCE, _declare, "the LM head reads per-row int8", REQUIRED_FLAGS, "HISPARSE_DISABLE_VNNI")
+_LIBRARY = CLibrary(
+    SOURCE,
+    {"q8_0_matmul": (INT, [POINTER, INT64, INT64, POINTER, POINTER, POINTER, INT64, POINTER, INT])},
+    "the LM head reads per-row int8", REQUIRED_FLAGS, "HISPARSE_DISABLE_VNNI")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 @dataclass(frozen=True)
@@ -82,11 +79,6 @@ def fits(weight: torch.Tensor) -> bool:
     """Whether the kernel takes a weight of this shape: whole blocks of inputs, rows in fours."""
     out, width = weight.shape
     return out % 4 == 0 and width % BLOCK == 0
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
 
 
 def q8_0_matmul(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:

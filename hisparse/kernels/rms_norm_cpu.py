@@ -13,26 +13,17 @@ PyTorch's ops.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import FLOAT, INT64, POINTER, CLibrary
 
-
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.rms_norm.restype = None
-    library.rms_norm.argtypes = [pointer, pointer, pointer, pointer, pointer, count, count, ctypes.c_float]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "RMSNorm keeps PyTorch's ops")
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"rms_norm": (None, [POINTER, POINTER, POINTER, POINTER, POINTER, INT64, INT64, FLOAT])},
+    "RMSNorm keeps PyTorch's ops")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -8,28 +8,18 @@ be (no gcc), `available()` is False and the rotation keeps PyTorch's ops.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 
-
-def _declare(library: ctypes.PyDLL) -> None:
-    pointer, count = ctypes.c_void_p, ctypes.c_int64
-    library.rotate_half_split.restype = None
-    library.rotate_half_split.argtypes = [pointer, count, count, count, count, pointer, pointer, count, pointer,
-                                          ctypes.c_int]
-
-
-_LIBRARY = CLibrary(Path(__file__).with_suffix(".c"), _declare, "RoPE keeps PyTorch's ops")
+_LIBRARY = CLibrary(
+    Path(__file__).with_suffix(".c"),
+    {"rotate_half_split": (None, [POINTER, INT64, INT64, INT64, INT64, POINTER, POINTER, INT64, POINTER, INT])},
+    "RoPE keeps PyTorch's ops")
+available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
-def available() -> bool:
-    """Whether the compiled kernel is loaded (compiling it on first use)."""
-    return _LIBRARY.load() is not None
 
 
 def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ import torch
 from hisparse.formats.index_key import IndexKeyFormat
 from hisparse.formats.sparse_attention import IndexerSpec
 from hisparse.kernels import indexer_key_cpu
+from hisparse.kernels.c_library import autograd_records
 from hisparse.layers.dsa_indexer import LightningIndexer
 from hisparse.layers.rotary import HalfSplitRotation
 
@@ -114,8 +115,7 @@ class LlamaIndexer(LightningIndexer):
         norm = self.k_norm
         start = self.n_heads * self.head_dim if start is None else start
         if (projected.is_cpu and projected.dtype in (torch.bfloat16, torch.float32) and rotation.cos.is_cpu
-                and not (torch.is_grad_enabled() and (norm.weight.requires_grad or projected.requires_grad))
-                and indexer_key_cpu.available()):
+                and not autograd_records(norm.weight, projected) and indexer_key_cpu.available()):
             return indexer_key_cpu.indexer_key(projected, start, norm.weight, norm.bias, norm.eps, rotation.cos,
                                                rotation.sin, rotation.half)
         k = projected[:, start:start + self.head_dim].float()

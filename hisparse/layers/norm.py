@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse.kernels import rms_norm_cpu
+from hisparse.kernels.c_library import autograd_records
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +27,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, the norm of it): a residual stream's add and the norm that reads it, one call on the CPU."""
-        if self._compiled(x) and delta.dtype == x.dtype and delta.is_cpu and not (torch.is_grad_enabled()
-                                                                                  and delta.requires_grad):
+        if self._compiled(x) and delta.dtype == x.dtype and delta.is_cpu and not autograd_records(delta):
             return rms_norm_cpu.rms_norm(x, self.weight, self.eps, delta)
         x = x + delta
         return x, self(x)
@@ -35,5 +35,5 @@ class RMSNorm(nn.Module):
     def _compiled(self, x: torch.Tensor) -> bool:
         """Whether `rms_norm_cpu` takes this call: bfloat16 on the CPU, no gradient wanted, the kernel built."""
         return (x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and x.is_cpu
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and not autograd_records(x, self.weight)
                 and rms_norm_cpu.available())

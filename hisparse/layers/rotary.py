@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse.kernels import rotary_cpu
+from hisparse.kernels.c_library import autograd_records
 
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -115,8 +116,7 @@ class HalfSplitRotation:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H, head_dim] -> rotated, the same shape and dtype."""
-        if (rotary_cpu.takes(x, self.cos) and not (torch.is_grad_enabled() and x.requires_grad)
-                and rotary_cpu.available()):
+        if rotary_cpu.takes(x, self.cos) and not autograd_records(x) and rotary_cpu.available():
             return rotary_cpu.rotate_half_split(x, self.cos, self.sin, self.half)
         h = self.half
         if 2 * h == x.shape[-1]:  # every dim rotates: the swap is a roll, one op instead of three slices and a cat

@@ -99,23 +99,23 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        index = {}
-        if self.indexer is not None:
-            prepared = self.indexer is self._prepared_indexer
-            if not backend.reads_index_queries and prepared and self.index_key_proj is not None \
-                    and self.index_key_proj.quantized_for(n):
-                # the keys are stored for later steps and nothing scores this one: the key's rows alone
-                key = self.index_key_proj(x)
-                index = {"index_k": self.indexer.key_from_projection(key, index_rope, start=0)}
-            else:
-                projected = self.index_proj(x) if prepared else F.linear(x.float(), self.indexer.projection_weight())
-                if backend.reads_index_queries:
-                    index_q, index_k, index_w = self.indexer.from_projection(projected, index_rope)
-                    index = {"index_q": index_q, "index_k": index_k, "index_w": index_w}
-                else:
-                    index = {"index_k": self.indexer.key_from_projection(projected, index_rope)}
+        index = {} if self.indexer is None else self._indexer_inputs(x, index_rope, backend.reads_index_queries)
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
         return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
+
+    def _indexer_inputs(self, x: torch.Tensor, rope: HalfSplitRotation, reads_queries: bool) -> dict:
+        """The indexer's part of this step's attention: its keys always (later steps score them), its queries and
+        head weights when the attention reads them. A step that reads none multiplies by the key's int8 rows alone
+        where they are prepared (`prepare_for_inference`)."""
+        prepared = self.indexer is self._prepared_indexer
+        if (not reads_queries and prepared and self.index_key_proj is not None
+                and self.index_key_proj.quantized_for(x.shape[0])):
+            return {"index_k": self.indexer.key_from_projection(self.index_key_proj(x), rope, start=0)}
+        projected = self.index_proj(x) if prepared else F.linear(x.float(), self.indexer.projection_weight())
+        if not reads_queries:
+            return {"index_k": self.indexer.key_from_projection(projected, rope)}
+        index_q, index_k, index_w = self.indexer.from_projection(projected, rope)
+        return {"index_q": index_q, "index_k": index_k, "index_w": index_w}
 
 
 class LlamaMLP(nn.Module):

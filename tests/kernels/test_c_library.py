@@ -42,7 +42,7 @@ def test_a_source_that_does_not_compile_warns_with_gccs_message_and_gives_none(t
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     source = tmp_path / "broken.c"
     source.write_text("int broken(void) { return missing_name; }\n")
-    library = CLibrary(source, lambda lib: None, "we do without")
+    library = CLibrary(source, {}, "we do without")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert library.load() is None
@@ -55,7 +55,7 @@ def test_a_missing_cpu_flag_or_the_switch_gives_none_without_building(tmp_path, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     source = tmp_path / "never.c"
     source.write_text("int never(void) { return 0; }\n")  # a build would leave a __pycache__ folder
-    assert CLibrary(source, lambda lib: None, "x", required_flags=("no_such_flag",)).load() is None
+    assert CLibrary(source, {}, "x", required_flags=("no_such_flag",)).load() is None
     monkeypatch.setenv("HISPARSE_TEST_SWITCH", "1")
-    assert CLibrary(source, lambda lib: None, "x", disable_env="HISPARSE_TEST_SWITCH").load() is None
+    assert CLibrary(source, {}, "x", disable_env="HISPARSE_TEST_SWITCH").load() is None
     assert [p.name for p in tmp_path.iterdir()] == ["never.c"]

@@ -19,7 +19,7 @@ def test_the_kernel_stores_pytorchs_rows(dtype):
     qkv = torch.randn(5, 9 * 16 + 2 * 3 * 16).to(dtype)  # K and V as slices of a projection's rows
     k, v = qkv[:, 9 * 16:12 * 16].view(5, 3, 16), qkv[:, 12 * 16:].view(5, 3, 16)
     slots = torch.tensor([7, 2, 11, 0, 5])
-    pool, want = torch.randn(12, layout.row_width).to(dtype), None
+    pool = torch.randn(12, layout.row_width).to(dtype)
     want = pool.clone().index_copy_(0, slots, layout.pack(k, v))
     kv_rows_cpu.write_kv_rows(pool, slots, k, v)
     assert torch.equal(pool, want)

@@ -36,7 +36,8 @@ def test_the_kernel_gives_pytorchs_bits_and_the_rounded_residual_sum():
     assert (out != want).float().mean() < 1e-3
     assert torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0)
     alone, out_alone = rms_norm_cpu.rms_norm(x, weight, module.eps)
-    assert alone is x and torch.equal(out_alone, rms_norm_cpu.rms_norm(x.clone(), weight, module.eps)[1])
+    assert alone is x
+    assert (out_alone != torch_rms_norm(x, weight, module.eps)).float().mean() < 1e-3
 
 
 @needs_kernel
