@@ -10,13 +10,13 @@ larger than its full hot buffer, exactly `miss rate x top_k` of them (in total o
 the buffer. The host pool is larger than the caches and its rows are scattered, as in a real pool.
 
     python -m hisparse.bench.swap_in [--repeats 7] [--buffer 512] [--top-k 256] [--dtype float32,bfloat16]
-                                     [--host-pages huge] [--host-pages small,huge]
+                                     [--host-pages small] [--host-pages small,huge]
 
 numba's threading layer is the one hisparse chose at import (torch's own OpenMP team, or TBB): to time another,
 set it before the process starts, `NUMBA_THREADING_LAYER=tbb python -m hisparse.bench.swap_in`.
 
-The host pool is allocated as the engine allocates it (`host_memory.host_empty`: 2 MiB pages where the
-kernel lends them); `--host-pages small,huge` gives each kind its own pools and times their calls in
+The host pool is allocated as the engine allocates it by default (`host_memory.host_empty`, plain pages;
+`hisparse_config.host_pages`); `--host-pages small,huge` gives each kind its own pools and times their calls in
 turn, row by row, and the table says how much of each pool the kernel actually backed with huge pages.
 
 GB/s counts the bytes of the missed rows once (as the plain copy counts its buffer once); "miss rows/s"
@@ -101,7 +101,7 @@ class Pools:
 
 
 def make_pools(num_rows: int, num_slots: int, dtype: torch.dtype, host_bytes: int, gen: torch.Generator,
-               pages: str = "huge") -> Pools:
+               pages: str = "small") -> Pools:
     check_host_pool(num_rows, num_slots, dtype, host_bytes)
     host_size = host_bytes // row_bytes_of(dtype)
     context = host_size // num_rows
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of miss fractions in [0, 1]")
     parser.add_argument("--host-gib", type=positive_float, default=1.0,
                         help="host pool size per dtype, GiB (at most the memory available)")
-    parser.add_argument("--host-pages", type=comma_list(one_of(*PAGE_KINDS)), default="huge",
+    parser.add_argument("--host-pages", type=comma_list(one_of(*PAGE_KINDS)), default="small",
                         help=f"comma list of {', '.join(PAGE_KINDS)}: host pool pages "
                              "(huge: 2 MiB where the kernel lends them)")
     parser.add_argument("--copy-mib", type=positive_int, default=256, help="plain-copy buffer, MiB")

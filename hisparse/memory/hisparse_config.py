@@ -9,6 +9,7 @@ from dataclasses import InitVar, dataclass, fields
 import torch
 
 from hisparse.memory.eviction import EVICTION_POLICIES
+from hisparse.memory.host_memory import PAGE_KINDS
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class HiSparseConfig:
     # steps, 49-50% over 1024 (8 requests of each of two texts; hisparse.bench_missrate). "lru" keeps the
     # reference system's exact semantics.
     eviction_policy: str = "auto"
+    # The host pool's pages: "small", or "huge" (2 MiB where the kernel lends them; see `host_memory`).
+    host_pages: str = "small"
     # False: the top_k may still be the model's (DSA's index_topk wins), so the buffer is checked against it
     # later (`with_model_top_k`), not against the engine's.
     check_buffer: InitVar[bool] = True
@@ -46,6 +49,9 @@ class HiSparseConfig:
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in ("auto", *EVICTION_POLICIES):
             raise ValueError(f"hisparse_config.eviction_policy must be one of auto, {', '.join(EVICTION_POLICIES)}, "
                              f"got {json.dumps(self.eviction_policy)}")
+        if not isinstance(self.host_pages, str) or self.host_pages not in PAGE_KINDS:
+            raise ValueError(f"hisparse_config.host_pages must be one of {', '.join(PAGE_KINDS)}, "
+                             f"got {json.dumps(self.host_pages)}")
 
     def with_model_top_k(self, top_k: int) -> HiSparseConfig:
         """This config for a model with its own top_k (DSA's index_topk), which wins as in the reference: a

@@ -213,9 +213,9 @@ class HiSparsePools:
         pin = device != "cpu" and torch.cuda.is_available()
         self.device_kv = torch.zeros(num_layers, self.device_slots, row_width, dtype=row_dtype, device=device)
         # Never zeroed: a host row is always written (prefill or decode) before anything reads it, and
-        # touching gigabytes of fresh pages would cost seconds at start-up. On 2 MiB pages where the kernel
-        # lends them: the swap-in's scattered reads then miss the TLB far less (see host_memory).
-        self.host_kv = host_empty((num_layers, self.logical_capacity, row_width), row_dtype, pin=pin)
+        # touching gigabytes of fresh pages would cost seconds at start-up.
+        self.host_kv = host_empty((num_layers, self.logical_capacity, row_width), row_dtype, pin=pin,
+                                  pages=config.host_pages)
         self.index_cache = IndexerKeyCache(num_layers, self.logical_capacity, index_key, device=device)
         self.device_allocator = SlotAllocator(self.device_slots)
         self.host_allocator = SlotAllocator(self.logical_capacity)

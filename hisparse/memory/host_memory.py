@@ -1,12 +1,16 @@
-"""Host pool memory on 2 MiB pages where the kernel lends them.
+"""Host pool memory, on plain pages or on 2 MiB pages where the kernel lends them.
 
 The swap-in reads a few hundred scattered rows per request per layer out of a host pool of gigabytes.
 On 4 KiB pages almost every such row is a TLB miss, and on a virtual machine each miss walks two page
 tables (the guest's and the host's). Transparent huge pages cut the walks: Linux backs a mapping with
 2 MiB pages when asked (`madvise(MADV_HUGEPAGE)`; most distributions ship THP in this "madvise" mode).
-`python -m hisparse.bench.swap_in --backends cpu --host-pages small,huge --dtype bfloat16` times whole
-swap-in calls on both, taking turns: on our 2-core VM a call on huge pages took 0.89 / 0.92 / 0.95x the time
-on small ones at batch 1 / 16 / 64 (100% misses from a 1 GiB pool).
+But in that mode the kernel also compacts memory, in the faulting thread, to find each huge page a
+fresh row lands on: once a machine has run for hours, first touch then cost 2 s per GiB on our 2-core VM
+against 0.19 s on plain pages, and a 1536-token prompt's host writes 90 ms, a sixth of its prefill. The
+swap-in gain is small where it runs, at the hot buffer's usual miss rate:
+`python -m hisparse.bench.swap_in --backends cpu --host-pages small,huge --dtype bfloat16` gave a call on
+huge pages 0.98x the time on small ones at batch 16 and 20% misses (0.76x at 100%). So the pools take
+plain pages unless `hisparse_config.host_pages` asks for huge ones.
 
 The pool is never zeroed by us: the kernel hands out zero pages on first touch, as it does for
 `torch.empty` of this size. A pool for CUDA stays page-locked `torch.empty(pin_memory=True)`, which the
@@ -47,10 +51,10 @@ def check_fits_in_memory(needed: int, what: str) -> None:
                          f"{available / GIB:.3g} GiB of memory available")
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, pages: str = "huge") -> torch.Tensor:
-    """An uninitialised host tensor; `pages="huge"` asks for 2 MiB pages (plain pages where refused),
-    `pages="small"` is plain `torch.empty`: it asks for nothing (its memory may still land in a region
-    another library advised)."""
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, pages: str = "small") -> torch.Tensor:
+    """An uninitialised host tensor; `pages="small"` is plain `torch.empty`: it asks for nothing (its memory
+    may still land in a region another library advised); `pages="huge"` asks for 2 MiB pages (plain pages
+    where refused)."""
     if pages not in PAGE_KINDS:
         raise ValueError(f"pages must be one of {', '.join(PAGE_KINDS)}, not {pages!r}")
     nbytes = math.prod(shape) * dtype.itemsize

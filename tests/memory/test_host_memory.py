@@ -1,4 +1,4 @@
-"""host_empty: host pools on 2 MiB pages, and the pages the kernel says are under them."""
+"""host_empty: host pools on plain or 2 MiB pages, and the pages the kernel says are under them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_host_empty_is_an_ordinary_writable_tensor(pages):
 
 
 def test_a_view_keeps_the_mapping_alive():
-    t = host_empty((HUGE_PAGE_BYTES // 4, 2), torch.float32)
+    t = host_empty((HUGE_PAGE_BYTES // 4, 2), torch.float32, pages="huge")
     t.fill_(3.0)
     tail = t[-10:]
     del t
@@ -35,7 +35,7 @@ def test_a_view_keeps_the_mapping_alive():
 def test_huge_pages_are_asked_for():
     """Only the huge kind is checked for the advice: plain `torch.empty` memory may sit in a heap region
     someone else advised (NumPy advises its own large arrays), so "small" means "not asked for"."""
-    huge = host_empty((8 * HUGE_PAGE_BYTES,), torch.uint8)
+    huge = host_empty((8 * HUGE_PAGE_BYTES,), torch.uint8, pages="huge")
     small = host_empty((8 * HUGE_PAGE_BYTES,), torch.uint8, pages="small")
     huge.fill_(1), small.fill_(1)
     assert huge_page_status(huge).advised
@@ -48,14 +48,37 @@ def test_unknown_page_kind_is_refused():
         host_empty((4,), torch.uint8, pages="giant")
 
 
-@needs_thp
-def test_the_hisparse_host_pool_asks_for_huge_pages():
+def pools_on(pages: str | None):
     from hisparse.formats.index_key import IndexKeyFormat
     from hisparse.memory.hisparse_config import HiSparseConfig
     from hisparse.memory.hisparse_pools import HiSparsePools
 
-    pools = HiSparsePools(num_layers=2, row_width=384, row_dtype=torch.bfloat16,
-                          index_key=IndexKeyFormat("int8", 64), config=HiSparseConfig(top_k=16),
-                          budget_bytes=8 << 20, max_requests=4, max_context=4096)
+    config = HiSparseConfig(top_k=16) if pages is None else HiSparseConfig(top_k=16, host_pages=pages)
+    return HiSparsePools(num_layers=2, row_width=384, row_dtype=torch.bfloat16, index_key=IndexKeyFormat("int8", 64),
+                         config=config, budget_bytes=8 << 20, max_requests=4, max_context=4096)
+
+
+@needs_thp
+def test_the_hisparse_host_pool_asks_for_huge_pages_when_configured():
+    pools = pools_on("huge")
     assert pools.host_kv.nbytes >= HUGE_PAGE_BYTES
     assert huge_page_status(pools.host_kv).advised
+
+
+def test_the_hisparse_host_pool_takes_plain_pages_by_default(monkeypatch):
+    """First touch of an advised mapping compacts memory in the faulting thread (host_memory): the default
+    pool must not ask for it."""
+    import hisparse.memory.hisparse_pools as hisparse_pools
+
+    asked = []
+    real = hisparse_pools.host_empty
+    monkeypatch.setattr(hisparse_pools, "host_empty", lambda *a, **k: asked.append(k.get("pages")) or real(*a, **k))
+    pools_on(None)
+    assert asked == ["small"]
+
+
+def test_an_unknown_host_page_kind_is_refused():
+    from hisparse.memory.hisparse_config import HiSparseConfig
+
+    with pytest.raises(ValueError, match="hisparse_config.host_pages must be one of huge, small"):
+        HiSparseConfig(host_pages="giant")
