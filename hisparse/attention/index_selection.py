@@ -12,9 +12,10 @@ model's retrofit indexers were trained that way (its own token is what attention
 HiSparse it sits in the request's reserved slot; DSA's indexers were trained without the rule and score it
 like any other token, as their reference does.
 
-On the CPU the int8 keys of a decode step are scored by one compiled loop (`kernels.index_scores_cpu`) and
-the top-k picked by another (`kernels.top_k_cpu`); `past_scores_reference` and `select_reference` are the
-PyTorch paths, which every other key format and device uses.
+On the CPU the int8 keys of a decode step are scored and their top-k picked in one compiled call
+(`kernels.index_scores_cpu.int8_top_k`); where the policy also reads the runners-up, or other scores are
+ranked, the top-k is `kernels.top_k_cpu`'s. `past_scores_reference` and `select_reference` are the PyTorch
+paths, which every other key format and device uses.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.kernels import index_scores_cpu
-from hisparse.kernels.index_scores_cpu import int8_past_scores
+from hisparse.kernels.index_scores_cpu import int8_past_scores, int8_top_k
 from hisparse.kernels.top_k_cpu import top_k_and_runners_up, top_k_ascending
 from hisparse.memory.indexer_cache import IndexerKeyCache
 
@@ -80,6 +81,10 @@ class IndexSelector:
         slots[b, p] holds position p's key for p < lengths[b] (the rest is ignored); the query is the
         newest position, lengths[b] - 1. A request with lengths[b] <= top_k gets every position.
         """
+        if self.compiled_scores and self.compiled_top_k:  # scores and top-k in one compiled call
+            return int8_top_k(self.keys.rows[layer], self.keys.index_dim, slots.contiguous(),
+                              self.format.prepare_query(index_q).contiguous(), index_w.float().contiguous(),
+                              lengths.contiguous(), min(top_k, slots.shape[1]))
         return self._select(self._past_scores(layer, index_q, index_w, slots, lengths), top_k)
 
     def select_with_next(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor,

@@ -59,18 +59,21 @@ def test_selection_uses_the_compiled_scorer_only_where_it_applies():
 
 
 def test_the_compiled_scorer_really_runs(monkeypatch):
+    """A decode step's selection is one compiled call, scores and top-k; the runners-up path scores apart."""
     calls = []
-    real = index_scores_cpu.int8_past_scores
 
-    def spy(*args):
-        calls.append(args)
-        return real(*args)
+    def spy(name):
+        real = getattr(index_scores_cpu, name)
+        monkeypatch.setattr(f"hisparse.attention.index_selection.{name}",
+                            lambda *args: calls.append(name) or real(*args))
 
-    monkeypatch.setattr("hisparse.attention.index_selection.int8_past_scores", spy)
+    spy("int8_top_k"), spy("int8_past_scores")
     cache = random_cache(1, 64, 40)
-    picked = cache.select(0, torch.randn(2, 4, 64), torch.rand(2, 4), torch.arange(40).repeat(2, 1),
-                          torch.tensor([40, 30]), top_k=8)
-    assert len(calls) == 1 and picked.shape == (2, 8)
+    args = (0, torch.randn(2, 4, 64), torch.rand(2, 4), torch.arange(40).repeat(2, 1), torch.tensor([40, 30]))
+    picked = cache.select(*args, top_k=8)
+    assert calls == ["int8_top_k"] and picked.shape == (2, 8)
+    picked_again, _ = cache.select_with_next(*args, top_k=8, num_next=4)
+    assert calls == ["int8_top_k", "int8_past_scores"] and torch.equal(picked_again, picked)
 
 
 def test_scores_of_positions_past_the_length_are_never_read():
@@ -91,3 +94,37 @@ def test_lengths_past_the_slots_width_are_refused():
     cache = random_cache(4, 64, 16)
     with pytest.raises(ValueError, match=r"lengths must be in \[0, 3\]"):
         cache._past_scores(0, torch.randn(1, 2, 64), torch.rand(1, 2), torch.tensor([[3, 4, 5]]), torch.tensor([100]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 5), width=st.integers(1, 700), top_k=st.integers(1, 300),
+       levels=st.sampled_from([3, 256]), parallel=st.booleans())
+def test_fused_top_k_selects_what_the_two_kernels_select(seed, batch, width, top_k, levels, parallel):
+    """int8_top_k against top_k_ascending over int8_past_scores: the same positions, ties (few key levels, few
+    query levels: many equal scores) to the earlier, -inf never, -1 padding."""
+    from hisparse.kernels.top_k_cpu import top_k_ascending
+
+    g = torch.Generator().manual_seed(seed)
+    head_dim, heads, num_slots = 64, 4, width + 50
+    rows = torch.randint(0, levels, (num_slots, head_dim + 4), dtype=torch.uint8, generator=g)
+    rows[:, head_dim:] = torch.full((num_slots, 1), 0.25).view(torch.uint8)  # every scale 0.25
+    slots = torch.stack([torch.randperm(num_slots, generator=g)[:width] for _ in range(batch)])
+    lengths = torch.randint(0, width + 1, (batch,), generator=g)
+    q = torch.randint(-1, 2, (batch, heads, head_dim), generator=g).float()
+    w = torch.randn(batch, heads, generator=g)
+    k = min(top_k, width)
+    with patch.object(index_scores_cpu, "PARALLEL_MIN_KEYS", 0 if parallel else index_scores_cpu.PARALLEL_MIN_KEYS):
+        got = index_scores_cpu.int8_top_k(rows, head_dim, slots, q, w, lengths, k)
+        want = top_k_ascending(index_scores_cpu.int8_past_scores(rows, head_dim, slots, q, w, lengths), k)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_fused_top_k_refuses_what_it_cannot_read():
+    rows = torch.zeros(10, 68, dtype=torch.uint8)
+    q, w = torch.zeros(1, 4, 64), torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="a slot is outside the key rows"):
+        index_scores_cpu.int8_top_k(rows, 64, torch.tensor([[0, 12, 1]]), q, w, torch.tensor([3]), 2)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        index_scores_cpu.int8_top_k(rows, 64, torch.tensor([[0, 1, 2]]), q, w, torch.tensor([4]), 2)
+    with pytest.raises(ValueError, match="k must be in"):
+        index_scores_cpu.int8_top_k(rows, 64, torch.tensor([[0, 1, 2]]), q, w, torch.tensor([3]), 4)
