@@ -188,7 +188,8 @@ def cpu_parallel_always(plan: bool = True):
     """The test batches are small; force the cpu path's parallel loops (the default runs them serially):
     the copy, and with `plan` the bookkeeping too (else a serial plan hands its copies to a parallel call)."""
     with (patch.object(swap_in_cpu, "PARALLEL_MIN_SELECTED", 0 if plan else 1 << 60),
-          patch.object(swap_in_cpu, "PARALLEL_MIN_BYTES", 0)):
+          patch.object(swap_in_cpu, "PARALLEL_MIN_BYTES", 0),
+          patch.object(swap_in_cpu, "PARALLEL_PLAN_COPY_MIN_BYTES", 0)):
         yield
 
 
