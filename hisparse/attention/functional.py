@@ -10,13 +10,18 @@ from hisparse.kernels import decode_attention_cpu, kv_rows_cpu
 from hisparse.memory.rows import gather_rows
 
 _QUERY_CHUNK = 256  # bounds the [heads, chunk, context] scores of a masked prompt chunk
+# Keys of a prompt chunk's causal attention are padded to a multiple of this (masked out): SDPA's CPU kernel took
+# 1.25-1.35x as long over 497-1527 keys off a multiple of 16 as over the same keys padded (509 queries over 509 /
+# 1018 / 1527 keys: 1.26 / 2.29 / 3.26 ms against 0.93 / 1.84 / 2.77 ms, bfloat16, 9 query heads over 3).
+KEY_ALIGN = 16
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q over k/v where q are the last q.shape[0] of k's tokens. q [T, Hq, Dk], k [S, Hkv, Dk],
     v [S, Hkv, Dv] -> [T, Hq, Dv]. mask: `causal_mask(T, S, q.dtype)`, when the caller keeps one for many
-    layers (else it is built here).
+    layers (else it is built here); with `causal_mask(T, S, q.dtype, width=W)`, k and v hold W rows, the last
+    W - S of them padding the mask hides.
 
     Tensors go to SDPA as 4-D: on the CPU its 3-D path is an order of magnitude slower. K/V come in the
     cache's dtype and are read in the query's (the model's): a bfloat16 model's K/V were bfloat16 before a
@@ -28,11 +33,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _sdpa(q, k, v, causal_mask(tq, tk, q.dtype, q.device) if mask is None else mask, scale)
 
 
-def causal_mask(tq: int, tk: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The additive mask [tq, tk] (0 or -inf) of the last tq of tk tokens attending causally. SDPA turns a
-    boolean mask into this on every call (1.3 of 4.3 ms for 512 bfloat16 queries over 1536 keys on our CPU)."""
-    future = torch.arange(tk, device=device).unsqueeze(0) > torch.arange(tk - tq, tk, device=device).unsqueeze(1)
-    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+def causal_mask(tq: int, tk: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                width: int | None = None) -> torch.Tensor:
+    """The additive mask [tq, width] (0 or -inf) of the last tq of tk tokens attending causally; columns from tk
+    to `width` (default tk: none), padding keys, are -inf. SDPA turns a boolean mask into this on every call (1.3
+    of 4.3 ms for 512 bfloat16 queries over 1536 keys on our CPU)."""
+    width = tk if width is None else width
+    future = torch.arange(width, device=device).unsqueeze(0) > torch.arange(tk - tq, tk, device=device).unsqueeze(1)
+    return torch.zeros(tq, width, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+
+
+def aligned_key_count(count: int) -> int:
+    """`count` keys rounded up to a multiple of KEY_ALIGN: how many a prompt chunk's causal attention reads."""
+    return -(-count // KEY_ALIGN) * KEY_ALIGN
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -99,8 +112,8 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
 def attend_prompt(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scale: float, layout: RowLayout,
                   selection: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one request's prompt chunk q [T, Hq, Dk] (its last T positions) over the pool rows of its
-    positions 0..S-1 (`slots` [S]): causal (with `mask`, a kept `causal_mask`), or each query over its own
-    `selection` [T, K] (-1 padded)."""
+    positions 0..S-1 (`slots` [S]): causal (with `mask`, a kept `causal_mask`; then `slots` may go on past S with
+    padding rows that the mask hides), or each query over its own `selection` [T, K] (-1 padded)."""
     # The packed rows cross to the query's device, then unpack there: V is a view of K in the latent layout.
     k, v = layout.unpack(gather_rows(pool, slots.to(pool.device)).to(q.device))
     if selection is None:

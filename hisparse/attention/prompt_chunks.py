@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.attention.functional import attend_prompt, causal_mask
+from hisparse.attention.functional import aligned_key_count, attend_prompt, causal_mask
 from hisparse.attention.step_selection import StepSelection, rows_of
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -21,7 +21,10 @@ class PromptChunk:
     pool_rows: torch.Tensor  # [S]: the rows of its positions 0..S-1 in the pool prefill reads
     index_slots: torch.Tensor | None  # [S]: their indexer-key slots, on the key cache's device
     positions: torch.Tensor | None  # [T]: the chunk's positions, on the key cache's device
-    mask: torch.Tensor | None = None  # its causal mask, built by the first layer that needs it, kept for the rest
+    # Its causal mask and the rows it reads (pool_rows padded to `aligned_key_count` with the first row, which the
+    # mask hides), built by the first layer that attends causally with a mask, kept for the rest.
+    mask: torch.Tensor | None = None
+    causal_rows: torch.Tensor | None = None
 
 
 def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q: torch.Tensor | None,
@@ -36,6 +39,14 @@ def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q
             chosen = selection.chunk(layer, number, rows_of(index_q, chunk.tokens), rows_of(index_w, chunk.tokens),
                                      chunk.index_slots, chunk.positions)
         queries = q[chunk.tokens]
-        if chosen is None and chunk.mask is None and queries.shape[0] < chunk.pool_rows.shape[0]:
-            chunk.mask = causal_mask(queries.shape[0], chunk.pool_rows.shape[0], queries.dtype, queries.device)
-        out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, queries, scale, layout, chosen, chunk.mask)
+        if chosen is not None:
+            out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, queries, scale, layout, chosen)
+            continue
+        context = chunk.pool_rows.shape[0]
+        keys = aligned_key_count(context)
+        if chunk.causal_rows is None and (queries.shape[0] < context or keys > context):
+            # A square chunk of aligned length keeps SDPA's own causal path (no mask); every other one a mask.
+            chunk.mask = causal_mask(queries.shape[0], context, queries.dtype, queries.device, width=keys)
+            chunk.causal_rows = torch.cat([chunk.pool_rows, chunk.pool_rows[:1].expand(keys - context)])
+        rows = chunk.pool_rows if chunk.causal_rows is None else chunk.causal_rows
+        out[chunk.tokens] = attend_prompt(pool, rows, queries, scale, layout, None, chunk.mask)
