@@ -32,22 +32,22 @@ def test_padding_keys_past_the_mask_change_nothing():
 
 def test_prompt_chunks_read_aligned_keys_and_attend_as_without_them():
     """attend_prompt_chunks pads an unaligned chunk's rows (square or not) and gives what unpadded causal attention
-    over the same pool rows gives; an aligned square chunk keeps SDPA's causal path (no mask, no padding)."""
-    from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
+    over the same pool rows gives; an aligned or long square chunk keeps SDPA's causal path (no mask, no padding)."""
+    from hisparse.attention.prompt_chunks import MAX_PADDED_SQUARE, PromptChunk, attend_prompt_chunks
     from hisparse.formats.kv_layout import KVLayout
 
     torch.manual_seed(2)
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    pool = torch.randn(64, layout.row_width)
-    for tq, context in [(7, 21), (21, 21), (16, 16), (9, 32)]:
-        rows = torch.randperm(64)[:context]
+    pool = torch.randn(640, layout.row_width)
+    for tq, context in [(7, 21), (21, 21), (16, 16), (9, 32), (600, 600)]:
+        rows = torch.randperm(640)[:context]
         chunk = PromptChunk(slice(0, tq), rows, None, None)
         q = torch.randn(tq, 4, 16)
         out = torch.empty(tq, 4, 16)
         attend_prompt_chunks(out, 0, q, None, None, [chunk], pool, 0.25, layout, None, None)
         k, v = layout.unpack(pool[rows])
         assert torch.allclose(out, causal_attention(q, k, v, 0.25), atol=1e-5)
-        if tq == context and context % KEY_ALIGN == 0:
+        if tq == context and (context % KEY_ALIGN == 0 or context > MAX_PADDED_SQUARE):
             assert chunk.mask is None and chunk.causal_rows is None
         else:
             assert chunk.causal_rows.shape[0] == aligned_key_count(context)
