@@ -8,7 +8,9 @@ that batching does not amortise. The keys sit in a cache of 30 layers larger tha
 request's slots a contiguous run as the allocator hands them out, and a 64 MiB buffer is rewritten
 before every call (a decode step runs the rest of the layer between two scorings). The two paths take
 turns call by call; printed: the median time of each and their ratio, for the scores of every past
-token and for the top-k picked from them.
+token and for the top-k picked from them; then the whole selection as a decode step runs it on the CPU
+(`IndexSelector.select`: scores and top-k in one compiled call, `index_scores_cpu.int8_top_k`) and its time
+over the two compiled calls'.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ PROG = "python -m hisparse.bench.index_scores"
 
 def time_selection(cache: IndexSelector, batch: int, context: int, heads: int, top_k: int, repeats: int,
                    gen: torch.Generator) -> dict[str, float]:
-    """Median seconds of the compiled and the PyTorch scores and top-k, and the scores' largest difference
-    over the largest score."""
+    """Median seconds of the compiled and the PyTorch scores and top-k and of the one-call selection, and the
+    scores' largest difference over the largest score."""
     spacing = cache.keys.rows.shape[1] // batch
     slots = torch.stack([torch.arange(b * spacing, b * spacing + context) for b in range(batch)])
     lengths = torch.full((batch,), context) - torch.arange(batch)  # the batch's lengths differ a little
@@ -43,7 +45,7 @@ def time_selection(cache: IndexSelector, batch: int, context: int, heads: int, t
     w = torch.rand(batch, heads, generator=gen)
     flush = torch.ones(FLUSH_BYTES, dtype=torch.uint8)
     kernels = {"scores": cache._past_scores, "scores_ref": cache.past_scores_reference}
-    times: dict[str, list[float]] = {name: [] for name in ("scores", "scores_ref", "top_k", "top_k_ref")}
+    times: dict[str, list[float]] = {name: [] for name in ("scores", "scores_ref", "top_k", "top_k_ref", "select")}
     worst = 0.0
     for i in range(repeats + 1):
         layer = i % LAYERS
@@ -59,6 +61,10 @@ def time_selection(cache: IndexSelector, batch: int, context: int, heads: int, t
             start = time.perf_counter()
             select(out["scores"], top_k)
             times[name].append(time.perf_counter() - start)
+        flush.add_(1)
+        start = time.perf_counter()
+        cache.select(layer, q, w, slots, lengths, top_k)
+        times["select"].append(time.perf_counter() - start)
         finite = torch.isfinite(out["scores_ref"])
         worst = max(worst, float((out["scores"][finite] - out["scores_ref"][finite]).abs().max()
                                  / out["scores_ref"][finite].abs().max()))
@@ -113,14 +119,15 @@ def main(argv: list[str] | None = None) -> None:
         cache.write(layer, torch.arange(slots), torch.randn(slots, args.head_dim, generator=gen))
     print(f"int8 keys, {args.heads} heads x {args.head_dim} dims, {args.context} past tokens per request, "
           f"{LAYERS} layers of {slots} slots; median of {args.repeats}, torch threads {torch.get_num_threads()}")
-    print(f"{'':>5} {'scores':>30} {'top-k':>27}")
+    print(f"{'':>5} {'scores':>30} {'top-k':>27} {'selection':>22}")
     print(f"{'batch':>5} {'compiled us':>11} {'torch us':>9} {'ratio':>6} {'max diff':>9} "
-          f"{'compiled us':>11} {'torch us':>9} {'ratio':>6}")
+          f"{'compiled us':>11} {'torch us':>9} {'ratio':>6} {'one call us':>11} {'vs two':>6}")
     for batch in batches:
         t = time_selection(IndexSelector(cache), batch, args.context, args.heads, args.top_k, args.repeats, gen)
         print(f"{batch:>5} {t['scores'] * 1e6:>11.0f} {t['scores_ref'] * 1e6:>9.0f} "
               f"{t['scores'] / t['scores_ref']:>6.2f} {t['worst']:>9.1e} {t['top_k'] * 1e6:>11.0f} "
-              f"{t['top_k_ref'] * 1e6:>9.0f} {t['top_k'] / t['top_k_ref']:>6.2f}")
+              f"{t['top_k_ref'] * 1e6:>9.0f} {t['top_k'] / t['top_k_ref']:>6.2f} {t['select'] * 1e6:>11.0f} "
+              f"{t['select'] / (t['scores'] + t['top_k']):>6.2f}")
 
 
 if __name__ == "__main__":
