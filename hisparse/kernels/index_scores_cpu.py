@@ -57,15 +57,17 @@ def int8_past_scores(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: 
 
 def int8_top_k(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
                lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [B, k]: `top_k_cpu.top_k_ascending(int8_past_scores(...), k)` in one call, k <= W: each row's k best
+    """int64 [B, k]: `top_k_cpu.top_k_ascending(int8_past_scores(...), k)` in one call, 0 <= k <= W: each row's k best
     positions, ascending, ties to the earlier, -1 padded. Each request's scores are ranked while they are still in
     its core's cache, and the step's selection is one parallel region instead of two."""
     _check("int8_top_k", rows, head_dim, slots, q, w, lengths)
     batch, width = slots.shape
-    if not 0 < k <= width:
-        raise ValueError(f"int8_top_k: k must be in [1, {width}] (the slots' width), got {k}")
-    scores = torch.empty(batch, width)
+    if not 0 <= k <= width:
+        raise ValueError(f"int8_top_k: k must be in [0, {width}] (the slots' width), got {k}")
     out = torch.empty(batch, k, dtype=torch.int64)
+    if k == 0:
+        return out
+    scores = torch.empty(batch, width)
     _raise_on(_LIBRARY.load().int8_top_k(*_arguments(rows, head_dim, slots, q, w, lengths), k, scores.data_ptr(),
                                          out.data_ptr(), batch * width >= PARALLEL_MIN_KEYS), "int8_top_k", rows, width)
     return out

@@ -128,3 +128,14 @@ def test_fused_top_k_refuses_what_it_cannot_read():
         index_scores_cpu.int8_top_k(rows, 64, torch.tensor([[0, 1, 2]]), q, w, torch.tensor([4]), 2)
     with pytest.raises(ValueError, match="k must be in"):
         index_scores_cpu.int8_top_k(rows, 64, torch.tensor([[0, 1, 2]]), q, w, torch.tensor([3]), 4)
+
+
+def test_fused_top_k_of_nothing_is_empty():
+    """A batch with no past positions (width 0) selects none, as the two kernels do."""
+    from hisparse.kernels.top_k_cpu import top_k_ascending
+
+    rows, slots = torch.zeros(4, 68, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.int64)
+    q, w, lengths = torch.zeros(2, 4, 64), torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64)
+    got = index_scores_cpu.int8_top_k(rows, 64, slots, q, w, lengths, 0)
+    assert got.shape == (2, 0) and got.dtype == torch.int64
+    assert torch.equal(got, top_k_ascending(index_scores_cpu.int8_past_scores(rows, 64, slots, q, w, lengths), 0))
