@@ -48,8 +48,8 @@ def test_matches_gather_and_sdpa(batch, length, heads, dtype, q_dtype, parallel,
         got = sparse_decode_attention(pool, rows, q, scale, num_kv_heads, head_dim)
     assert got.dtype == q_dtype and got.shape == q.shape
     want = sdpa(pool, rows, q, scale, num_kv_heads, head_dim)
-    if q_dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if q_dtype == torch.float32:  # V's values reach 10 in size: sums of them in another order differ by ~1e-5
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-5)
     else:  # the kernel's one rounding to bfloat16 at the end
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
