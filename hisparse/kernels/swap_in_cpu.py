@@ -30,7 +30,9 @@ memory instead of the caches. A smaller copy, on the calling thread, keeps ordin
 inside (read from its reserved row, never swapped) and the batch's totals added inside, so a layer's
 swap-in is one compiled call: in the engine each torch or numpy op around it runs on caches the layer's
 weights have just flushed (about 10 us apiece), and the masking, the totals and the merge of the
-reserved rows were more than half of HiSparse's time per layer at batch 1.
+reserved rows were more than half of HiSparse's time per layer at batch 1. For lru, the CPU's default, that
+call is C's where gcc built it (`lru_page_table_cpu`, the same rule): this plan's dispatch and code were most of
+what was left.
 
 All arrays are zero-copy numpy views of the caller's tensors; `slot_pos`, `lru`, the policy state and
 `device_kv` are written in place.
@@ -48,6 +50,8 @@ import torch
 from numba import njit, prange
 
 from hisparse.formats.kernel_policy import KernelPolicy
+from hisparse.kernels import lru_page_table_cpu
+from hisparse.kernels.lru_page_table_cpu import LruPageTable
 from hisparse.kernels.numba_threads import on_torch_team
 from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2, prefetch_to_l2
 from hisparse.kernels.streaming_store import copy_row_past_caches, rows_can_stream, store_fence
@@ -125,6 +129,13 @@ class BoundCpuSwapIn:
         # (see the module docstring).
         self.streaming = rows_can_stream(self.host_words, self.device_words)
         self.totals = np.zeros(3, np.int64) if totals is None else totals.numpy()  # page_table adds to it
+        # lru's page table, the CPU's default, runs in C where it is built (`lru_page_table_cpu`: this plan's fixed
+        # costs dominate a decode step's call); the numba plan where not.
+        tensors = (slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
+        self.lru_page_table = (
+            LruPageTable(*tensors, torch.from_numpy(self.totals))
+            if self.code == _LRU and all(t.is_contiguous() for t in tensors) and lru_page_table_cpu.available()
+            else None)
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
         self.lookup = np.empty((0, self.context), np.int32)  # per thread: the plan's sparse sets, never cleared
         # per thread: lrfu's ghost scratch, [threads, 3, width] (zero-width for the other policies); here, not per
@@ -142,6 +153,9 @@ class BoundCpuSwapIn:
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
                    next_ranked: torch.Tensor | None = None) -> torch.Tensor:
         """`BoundSwapIn.page_table` in one compiled call (see the module docstring)."""
+        if self.lru_page_table is not None:
+            return self.lru_page_table(selected.contiguous(), rows, newest, reserved,
+                                       selected.numel() >= PARALLEL_MIN_SELECTED)
         page_table, _, _, _ = self._run(selected, rows, newest.numpy(), reserved.numpy(), self.totals, next_ranked)
         return torch.from_numpy(page_table)
 

@@ -15,9 +15,10 @@ from hisparse.kernels import swap_in_cpu
 BUFFER = 48
 
 
-def hisparse_engine(llama, tokenizer, budget: int = 40_000_000) -> LLMEngine:
+def hisparse_engine(llama, tokenizer, budget: int = 40_000_000, policy: str = "auto") -> LLMEngine:
     config = EngineConfig(top_k=32, chunked_prefill_size=128, max_running_requests=4, enable_hisparse=True,
-                          device_kv_budget=budget, hisparse_config={"device_buffer_size": BUFFER})
+                          device_kv_budget=budget,
+                          hisparse_config={"device_buffer_size": BUFFER, "eviction_policy": policy})
     return LLMEngine(config, model=llama, tokenizer=tokenizer)
 
 
@@ -63,7 +64,7 @@ def test_a_budget_too_small_for_the_warm_up_request_skips_it(llama, tokenizer, m
 
 
 def test_warm_up_runs_the_parallel_variants_and_puts_the_thresholds_back(llama, tokenizer, monkeypatch):
-    engine = hisparse_engine(llama, tokenizer)
+    engine = hisparse_engine(llama, tokenizer, policy="fifo")  # a policy numba plans (lru's page table is C's)
     before = {(module, name): getattr(importlib.import_module(module), name) for module, name in PARALLEL_THRESHOLDS}
     called = []
     compiled = swap_in_cpu._plan_batch_parallel  # numba's (the selection's top-k is C, compiled at build)

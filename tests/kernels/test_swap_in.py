@@ -579,3 +579,40 @@ def test_score_lru_ages_saturate_on_every_backend(backend):
                   torch.arange(30).view(1, -1), torch.randn(30, 4), torch.zeros(4, 4), policy=policy, backend=backend)
     assert res.page_table.tolist() == [[1]] and slot_pos[0].tolist() == [10, 20, -1, -1]
     assert policy.state["age"][0].tolist() == [held + 1, policy.LOAD_AGE_STEPS, limit, limit]
+
+
+def test_lru_page_tables_run_in_c_where_built():
+    """The CPU's default policy plans a decode step's page table in C (`lru_page_table_cpu`); the others in numba."""
+    from hisparse.kernels import lru_page_table_cpu
+
+    args = _tables()
+    tensors = [args[k] for k in ("slot_pos", "lru", "device_rows", "host_rows", "host_kv", "device_kv")]
+    lru_bound = bound_swap_in("cpu", get_policy("lru", num_rows=2, num_slots=4), *tensors)
+    fifo_bound = bound_swap_in("cpu", get_policy("fifo", num_rows=2, num_slots=4), *tensors)
+    assert (lru_bound.lru_page_table is not None) == lru_page_table_cpu.available()
+    assert fifo_bound.lru_page_table is None
+
+
+@pytest.mark.parametrize(
+    ("selected", "rows", "match"),
+    [
+        ([[0, 10], [2, -1]], [0, 1], "top_k positions must be"),
+        ([[0, 1], [2, -1]], [1, 1], "same row"),
+        ([[0, 1], [2, -1]], [0, 2], "rows must be in"),
+        ([[0, 1, 2, 3, 4], [2, -1, -1, -1, -1]], [0, 1], "4 slots"),
+    ],
+)
+def test_the_c_lru_page_table_refuses_bad_values_and_changes_nothing(selected, rows, match):
+    from hisparse.kernels import lru_page_table_cpu
+
+    if not lru_page_table_cpu.available():
+        pytest.skip("no C compiler: the numba plan serves lru")
+    args = _tables()
+    slot_pos, lru, device_kv = args["slot_pos"].clone(), args["lru"].clone(), args["device_kv"].clone()
+    totals = torch.zeros(3, dtype=torch.int64)
+    table = lru_page_table_cpu.LruPageTable(args["slot_pos"], args["lru"], args["device_rows"], args["host_rows"],
+                                            args["host_kv"], args["device_kv"], totals)
+    with pytest.raises(ValueError, match=match):
+        table(torch.tensor(selected), torch.tensor(rows), torch.tensor([-2, -2]), torch.tensor([0, 0]), False)
+    assert torch.equal(args["slot_pos"], slot_pos) and torch.equal(args["lru"], lru)
+    assert torch.equal(args["device_kv"], device_kv) and not totals.any()
