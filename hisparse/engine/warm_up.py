@@ -22,6 +22,7 @@ WARM_UP_TEXT = "The engine compiles its kernels before the first request arrives
 # Each compiled CPU kernel's size from which it runs its parallel variant (module, global).
 PARALLEL_THRESHOLDS = (("hisparse.kernels.decode_attention_cpu", "PARALLEL_MIN_ROWS"),
                        ("hisparse.kernels.index_scores_cpu", "PARALLEL_MIN_KEYS"),
+                       ("hisparse.kernels.lru_page_table_cpu", "PARALLEL_MIN_SELECTED"),
                        ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_SELECTED"),
                        ("hisparse.kernels.swap_in_cpu", "PARALLEL_MIN_BYTES"),
                        ("hisparse.kernels.top_k_cpu", "PARALLEL_MIN_SCORES"))

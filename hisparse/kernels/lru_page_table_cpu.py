@@ -24,6 +24,11 @@ import torch
 from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
 from hisparse.kernels.swap_in import raise_value_error
 
+# batch x top_k from which requests and copies run on the OpenMP team: from batch 4 at top_k 256. Engine steps, the
+# thresholds taking turns every 6 steps (medians of 20): 1024 against 4096 (numba's plan's) 0.968x at batch 4
+# (1.5k contexts, 300-slot buffer), 0.986x at batch 8 (2k, 512); 512 against 4096 at batch 2: 0.990x, noise.
+PARALLEL_MIN_SELECTED = 1024
+
 
 class LruTables(ctypes.Structure):
     """The C file's `Tables`: one layer's tables and pools."""

@@ -155,7 +155,7 @@ class BoundCpuSwapIn:
         """`BoundSwapIn.page_table` in one compiled call (see the module docstring)."""
         if self.lru_page_table is not None:
             return self.lru_page_table(selected.contiguous(), rows, newest, reserved,
-                                       selected.numel() >= PARALLEL_MIN_SELECTED)
+                                       selected.numel() >= lru_page_table_cpu.PARALLEL_MIN_SELECTED)
         page_table, _, _, _ = self._run(selected, rows, newest.numpy(), reserved.numpy(), self.totals, next_ranked)
         return torch.from_numpy(page_table)
 

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hisparse.kernels import swap_in_cpu
+from hisparse.kernels import lru_page_table_cpu, swap_in_cpu
 from hisparse.kernels.streaming_store import rows_can_stream
 from hisparse.kernels.swap_in import SwapInResult
 from hisparse.memory.eviction import get_policy, new_slot_tables, reset_row
@@ -188,6 +188,7 @@ def cpu_parallel_always(plan: bool = True):
     """The test batches are small; force the cpu path's parallel loops (the default runs them serially):
     the copy, and with `plan` the bookkeeping too (else a serial plan hands its copies to a parallel call)."""
     with (patch.object(swap_in_cpu, "PARALLEL_MIN_SELECTED", 0 if plan else 1 << 60),
+          patch.object(lru_page_table_cpu, "PARALLEL_MIN_SELECTED", 0 if plan else 1 << 60),
           patch.object(swap_in_cpu, "PARALLEL_MIN_BYTES", 0),
           patch.object(swap_in_cpu, "PARALLEL_PLAN_COPY_MIN_BYTES", 0)):
         yield
