@@ -114,10 +114,18 @@ class HalfSplitRotation:
         keep, drop = c.new_ones(*c.shape[:-1], rest), c.new_zeros(*c.shape[:-1], rest)
         return cls(torch.cat([c, c, keep], -1), torch.cat([-s, s, drop], -1), half)
 
+    def _compiled(self) -> rotary_cpu.RotationTables:
+        """The tables as the C kernel reads them, checked on the first layer's call and kept for the others."""
+        tables = self.__dict__.get("_tables")
+        if tables is None:
+            tables = rotary_cpu.RotationTables(self.cos.contiguous(), self.sin.contiguous(), self.half)
+            object.__setattr__(self, "_tables", tables)  # a frozen dataclass: a cache, not a field
+        return tables
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H, head_dim] -> rotated, the same shape and dtype."""
         if rotary_cpu.takes(x, self.cos) and not autograd_records(x) and rotary_cpu.available():
-            return rotary_cpu.rotate_half_split(x, self.cos, self.sin, self.half)
+            return self._compiled().rotate(x)
         h = self.half
         if 2 * h == x.shape[-1]:  # every dim rotates: the swap is a roll, one op instead of three slices and a cat
             swapped = x.roll(h, -1)

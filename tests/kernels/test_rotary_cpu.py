@@ -50,5 +50,18 @@ def test_refusals():
     rotation = HalfSplitRotation.of(cos, sin, torch.float32)
     with pytest.raises(ValueError, match="in cos's dtype|of their dtype"):
         rotary_cpu.rotate_half_split(torch.randn(3, 2, 64).bfloat16(), rotation.cos, rotation.sin, rotation.half)
-    with pytest.raises(ValueError, match=r"cos, sin \[N, 1, D\]"):
+    with pytest.raises(ValueError, match="do not fit rotation tables of 3 tokens"):
         rotary_cpu.rotate_half_split(torch.randn(4, 2, 64), rotation.cos, rotation.sin, rotation.half)
+    with pytest.raises(ValueError, match=r"cos, sin \[N, 1, D\]"):
+        rotary_cpu.RotationTables(rotation.cos, rotation.sin[:, :, :32].contiguous(), rotation.half)
+    with pytest.raises(ValueError, match="rotating at most D dims"):
+        rotary_cpu.RotationTables(rotation.cos, rotation.sin, 40)
+
+
+def test_a_rotation_checks_its_tables_once_for_every_layer():
+    cos, sin = RotaryEmbedding(64, 64, 10000.0).cos_sin(torch.arange(3))
+    rotation = HalfSplitRotation.of(cos, sin, torch.bfloat16)
+    x = torch.randn(3, 4, 64).bfloat16()
+    first = rotation(x)
+    tables = rotation._compiled()
+    assert torch.equal(rotation(x), first) and rotation._compiled() is tables
