@@ -5,9 +5,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define PREFETCH_AHEAD 8  // rows
 
