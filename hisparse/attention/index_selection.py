@@ -82,9 +82,8 @@ class IndexSelector:
         newest position, lengths[b] - 1. A request with lengths[b] <= top_k gets every position.
         """
         if self.compiled_scores and self.compiled_top_k:  # scores and top-k in one compiled call
-            return int8_top_k(self.keys.rows[layer], self.keys.index_dim, slots.contiguous(),
-                              self.format.prepare_query(index_q).contiguous(), index_w.float().contiguous(),
-                              lengths.contiguous(), min(top_k, slots.shape[1]))
+            return int8_top_k(*self._compiled_inputs(layer, index_q, index_w, slots, lengths),
+                              min(top_k, slots.shape[1]))
         return self._select(self._past_scores(layer, index_q, index_w, slots, lengths), top_k)
 
     def select_with_next(self, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, slots: torch.Tensor,
@@ -104,10 +103,14 @@ class IndexSelector:
     def _past_scores(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
         """Scores [B, width]: -inf beyond each request's length (+inf at its newest position by the rule)."""
         if self.compiled_scores:
-            return int8_past_scores(self.keys.rows[layer], self.keys.index_dim, slots.contiguous(),
-                                    self.format.prepare_query(index_q).contiguous(), index_w.float().contiguous(),
-                                    lengths.contiguous())
+            return int8_past_scores(*self._compiled_inputs(layer, index_q, index_w, slots, lengths))
         return self.past_scores_reference(layer, index_q, index_w, slots, lengths)
+
+    def _compiled_inputs(self, layer, index_q, index_w, slots, lengths) -> tuple:
+        """The compiled scorer's arguments (`index_scores_cpu`): the layer's key rows and the step's tensors as it
+        reads them."""
+        return (self.keys.rows[layer], self.keys.index_dim, slots.contiguous(),
+                self.format.prepare_query(index_q).contiguous(), index_w.float().contiguous(), lengths.contiguous())
 
     def past_scores_reference(self, layer, index_q, index_w, slots, lengths) -> torch.Tensor:
         """`_past_scores` in PyTorch, for every key format and device."""

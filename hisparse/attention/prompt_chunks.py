@@ -54,6 +54,7 @@ def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q
         if chunk.causal_rows is None and (queries.shape[0] < context
                                           or keys > context and context <= MAX_PADDED_SQUARE):
             chunk.mask = causal_mask(queries.shape[0], context, queries.dtype, queries.device, width=keys)
-            chunk.causal_rows = torch.cat([chunk.pool_rows, chunk.pool_rows[:1].expand(keys - context)])
+            chunk.causal_rows = (chunk.pool_rows if keys == context
+                                 else torch.cat([chunk.pool_rows, chunk.pool_rows[:1].expand(keys - context)]))
         rows = chunk.pool_rows if chunk.causal_rows is None else chunk.causal_rows
         out[chunk.tokens] = attend_prompt(pool, rows, queries, scale, layout, None, chunk.mask)

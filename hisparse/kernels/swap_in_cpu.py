@@ -44,6 +44,8 @@ thread pool costs more than they do. Which pool runs the parallel loops matters 
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
@@ -129,13 +131,7 @@ class BoundCpuSwapIn:
         # (see the module docstring).
         self.streaming = rows_can_stream(self.host_words, self.device_words)
         self.totals = np.zeros(3, np.int64) if totals is None else totals.numpy()  # page_table adds to it
-        # lru's page table, the CPU's default, runs in C where it is built (`lru_page_table_cpu`: this plan's fixed
-        # costs dominate a decode step's call); the numba plan where not.
-        tensors = (slot_pos, lru, device_rows, host_rows, host_kv, device_kv)
-        self.lru_page_table = (
-            LruPageTable(*tensors, torch.from_numpy(self.totals))
-            if self.code == _LRU and all(t.is_contiguous() for t in tensors) and lru_page_table_cpu.available()
-            else None)
+        self._tensors = (slot_pos, lru, device_rows, host_rows, host_kv, device_kv)  # for `lru_page_table`
         self.row_bytes = host_kv.shape[1] * host_kv.element_size()
         self.lookup = np.empty((0, self.context), np.int32)  # per thread: the plan's sparse sets, never cleared
         # per thread: lrfu's ghost scratch, [threads, 3, width] (zero-width for the other policies); here, not per
@@ -149,6 +145,16 @@ class BoundCpuSwapIn:
         page_table, misses, evictions, hits = self._run(top_k, rows, none, none, np.zeros(3, np.int64), next_ranked)
         return SwapInResult(torch.from_numpy(page_table), torch.from_numpy(misses), torch.from_numpy(evictions),
                             torch.from_numpy(hits))
+
+    @functools.cached_property
+    def lru_page_table(self) -> LruPageTable | None:
+        """lru's page table, the CPU's default, in C where it is built (`lru_page_table_cpu`: this plan's fixed
+        costs dominate a decode step's call); None (the numba plan) for other policies or where it is not. Bound
+        on first use: a plain `swap_in_cpu` call never asks for it."""
+        tensors = self._tensors
+        if self.code != _LRU or not all(t.is_contiguous() for t in tensors) or not lru_page_table_cpu.available():
+            return None
+        return LruPageTable(*tensors, torch.from_numpy(self.totals))
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
                    next_ranked: torch.Tensor | None = None) -> torch.Tensor:
