@@ -4,7 +4,7 @@ with streaming OpenAI completions at a sweep of concurrencies.
     python -m hisparse.bench_serving [--workload hisparse] [--concurrency 1,4,16] [--prompt-tokens 1536]
                                      [--output-tokens 192] [--rounds 1] [--min-requests 3] [--poll-interval 0.5]
                                      [--baseline-admits 4] [--device-kv-budget SIZE]
-                                     [--hisparse-config JSON] [--out-dir bench_results/serving]
+                                     [--hisparse-config JSON] [--ceiling] [--out-dir bench_results/serving]
 
 The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
 requests (prompt + output tokens) with every token's K/V and indexer key on the device, which is what the
@@ -15,11 +15,15 @@ reference's 2 x top_k buffer and 8x pool would admit 8: every device slot also p
 keys (68 B per layer each, against 768 B of bfloat16 K/V), and 512 slots per request is 30% of a request.
 (With a float32 K/V cache, twice the bytes per token, a 352-slot buffer and a 5x pool admitted 16.)
 
-Both servers start at once (loading overlaps; an idle server costs the other nothing). Each level sends
+`--ceiling` adds a third server, the baseline with a budget that holds every request of the highest level at
+once: what device memory alone would buy. Its throughput over the baseline's is the most any offloading
+scheme could reach on this machine and workload, and HiSparse's over its says how much of that HiSparse gets.
+
+The servers start at once (loading overlaps; an idle server costs the other nothing). Each level sends
 `rounds x concurrency` requests (at least `--min-requests`, so that concurrency 1 does not rest on a single
 request) of held-out Python-docs text with at most `concurrency` in flight; every request generates
 exactly `--output-tokens` tokens. The modes take turns round by round (a round is `concurrency` of the
-level's requests), alternating which goes first, so slow phases of a shared machine hit both alike: at
+level's requests), rotating which goes first, so slow phases of a shared machine hit both alike: at
 concurrency 1 each mode's three requests are spread over the level instead of one mode's running while the
 machine was quiet and the other's while it was not (0.89x-1.08x over five runs that took turns by level).
 
@@ -62,6 +66,7 @@ from hisparse.memory.hisparse_pools import PoolSizing
 from hisparse.models.loader import ModelFiles, open_model
 
 MODES = ("baseline", "hisparse")
+CEILING = "ceiling"  # --ceiling: the baseline with the device memory to run the highest level at once
 PROMPT_STRIDE = 97  # tokens between the starts of consecutive prompts in the held-out stream
 WARMUP_TOKENS = 4
 HITS, MISSES = "hisparse_swap_in_hits_total", "hisparse_swap_in_misses_total"
@@ -94,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bytes or e.g. 320MiB; overrides --baseline-admits")
     ap.add_argument("--hisparse-config", type=json_object, default=DEFAULT_HISPARSE_CONFIG,
                     help="JSON for the HiSparse server; its top_k is given to both servers")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also run the baseline with a budget that holds every request of the highest level: the "
+                         "most memory alone buys (a third server, half again the time)")
     ap.add_argument("--out-dir", type=output_dir, default="bench_results/serving",
                     help="created now, so that an unwritable folder is found before the servers start")
     return ap
@@ -120,7 +128,7 @@ def admits(mode: str, pools: dict[str, float], request_tokens: int, buffer: int,
     admits with: the whole request on the device for the baseline; for HiSparse a hot buffer (plus the
     newest token's slot) on the device and the whole request in the host pool and the indexer-key cache."""
     device = int(pools.get("hisparse_kv_slots_total[device]", 0))
-    if mode == "baseline":
+    if mode != "hisparse":
         return min(device // request_tokens, max_running)
     hot = request_tokens if request_tokens <= buffer else buffer + 1
     host = int(pools.get("hisparse_kv_slots_total[host]", 0))
@@ -178,22 +186,29 @@ def rounds_of(prompts: list[list[int]], concurrency: int) -> list[list[list[int]
     return [prompts[cuts[r]:cuts[r + 1]] for r in range(count)]
 
 
+def turn_order(modes: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    """The modes in the order they run round `turn`: rotated one place a round (two modes alternate)."""
+    shift = turn % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
 def level_in_turns(servers: dict[str, ServerProcess], model: str, prompts: list[list[int]], max_tokens: int,
                    concurrency: int, first: int, bar: tqdm, poll_interval: float) -> dict[str, tuple]:
-    """One level on both servers, the modes taking turns round by round (`rounds_of`), which goes first
-    alternating from `first`: at concurrency 1 the three requests of a level are three rounds, so a slow
-    phase of the machine lands on both modes instead of on whichever ran that level second. Returns, per
+    """One level on every server, the modes taking turns round by round (`rounds_of`), which goes first
+    rotating from `first` (`turn_order`): at concurrency 1 the three requests of a level are three rounds, so a
+    slow phase of the machine lands on every mode instead of on whichever ran that level last. Returns, per
     mode, its rounds as one LevelRun (wall times added up) and its server's metrics before and after."""
-    runs: dict[str, list[LevelRun]] = {mode: [] for mode in MODES}
-    before = {mode: servers[mode].metrics() for mode in MODES}
+    modes = tuple(servers)
+    runs: dict[str, list[LevelRun]] = {mode: [] for mode in modes}
+    before = {mode: servers[mode].metrics() for mode in modes}
     for r, chunk in enumerate(rounds_of(prompts, concurrency)):
-        for mode in MODES if (first + r) % 2 == 0 else MODES[::-1]:
+        for mode in turn_order(modes, first + r):
             bar.set_description(f"{mode} c={concurrency}")
             runs[mode].append(run_level(servers[mode].base_url, model, chunk, max_tokens, concurrency, bar.update,
                                         poll_interval))
     return {mode: (LevelRun([x for run in runs[mode] for x in run.results], sum(run.seconds for run in runs[mode]),
                             max(run.max_running for run in runs[mode])), before[mode], servers[mode].metrics())
-            for mode in MODES}
+            for mode in modes}
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -236,25 +251,33 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         return _fail(str(error))
     max_running = max(levels)
-    common = ["--device-kv-budget", str(budget), "--max-running-requests", str(max_running),
-              "--max-queued-requests", str(max(256, *per_level.values())), "--top-k", str(config.top_k)]
-    flags = {"baseline": common,
-             "hisparse": [*common, "--enable-hisparse", "--hisparse-config",
+    common = ["--max-running-requests", str(max_running), "--max-queued-requests", str(max(256, *per_level.values())),
+              "--top-k", str(config.top_k)]
+    flags = {"baseline": ["--device-kv-budget", str(budget), *common],
+             "hisparse": ["--device-kv-budget", str(budget), *common, "--enable-hisparse", "--hisparse-config",
                           json.dumps(dataclasses.asdict(config))]}
+    modes = MODES
+    ceiling_budget = max(budget, max_running * request_tokens * per_token)
+    if args.ceiling:
+        modes += (CEILING,)
+        flags[CEILING] = ["--device-kv-budget", str(ceiling_budget), *common]
     out_dir: Path = args.out_dir
-    servers = {mode: ServerProcess(mode, flags[mode], out_dir / f"server-{mode}.log") for mode in MODES}
+    servers = {mode: ServerProcess(mode, flags[mode], out_dir / f"server-{mode}.log") for mode in modes}
 
     print(f"workload: {args.rounds} x concurrency requests (at least {args.min_requests}) per level at concurrency "
           f"{', '.join(map(str, levels))}; "
           f"{args.prompt_tokens} prompt tokens (held-out Python docs) + {args.output_tokens} output tokens each")
     print(f"device KV budget {budget / 2**20:.1f} MiB for both modes "
           f"({per_token} B per token without HiSparse); HiSparse config {json.dumps(dataclasses.asdict(config))}")
+    if args.ceiling:
+        print(f"ceiling: the baseline with {ceiling_budget / 2**20:.1f} MiB, every request of c = {max_running} "
+              f"at once")
     if args.prompt_tokens <= config.device_buffer_size:
         print(f"note: prompts fit the {config.device_buffer_size}-slot hot buffer, so HiSparse rarely swaps in")
     started = time.time()
     load_before = os.getloadavg()
     try:
-        for server in servers.values():  # both load at once; an idle server costs the other nothing
+        for server in servers.values():  # all load at once; an idle server costs the others nothing
             server.start()
         from hisparse.data.pydoc_corpus import corpus_tokens
 
@@ -262,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(list(servers.values()))
         model = servers["baseline"].model_name()
         capacity = {mode: admits(mode, servers[mode].metrics(), request_tokens, config.device_buffer_size,
-                                 max_running) for mode in MODES}
+                                 max_running) for mode in modes}
         print(f"admitted at once: baseline {capacity['baseline']}, HiSparse {capacity['hisparse']} "
-              f"({capacity['hisparse'] / max(capacity['baseline'], 1):.1f}x)")
+              f"({capacity['hisparse'] / max(capacity['baseline'], 1):.1f}x)"
+              + (f", ceiling {capacity[CEILING]}" if args.ceiling else ""))
         if args.device_kv_budget is None and capacity["baseline"] != args.baseline_admits:
             print(f"warning: the baseline server admits {capacity['baseline']}, not {args.baseline_admits}: its "
                   f"per-token cost is not the {per_token} bytes computed here; pass --device-kv-budget")
@@ -277,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"warm-up request to the {server.label} server failed: {run.results[0].error}")
 
         rows: list[dict] = []
-        total = 2 * sum(per_level.values()) * args.output_tokens
+        total = len(modes) * sum(per_level.values()) * args.output_tokens
         with tqdm(total=total, unit="tok", desc="serving", dynamic_ncols=True) as bar:
             sent = 1  # windows used: the warm-up's, then each level's own
             for i, concurrency in enumerate(levels):
@@ -285,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 sent += per_level[concurrency]
                 runs = level_in_turns(servers, model, prompts, args.output_tokens, concurrency, first=i % 2,
                                       bar=bar, poll_interval=args.poll_interval)
-                for mode in MODES:
+                for mode in modes:
                     run, before, after = runs[mode]
                     row = summarize(mode, concurrency, run, before, after)
                     rows.append(row)
@@ -312,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(), "results": rows, "hisparse_vs_baseline": ratios(rows),
         "hisparse_vs_baseline_at_most": prefill_bounds(rows),
     }
+    if args.ceiling:
+        report["ceiling_vs_baseline"] = ratios(rows, CEILING)
+        report["hisparse_vs_ceiling"] = ratios(rows, "hisparse", CEILING)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = markdown_report(report)
     (out_dir / "results.md").write_text(markdown)

@@ -11,7 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"baseline": {"color": "tab:gray", "marker": "o", "label": "baseline (all KV on the device)"},
-         "hisparse": {"color": "tab:blue", "marker": "s", "label": "HiSparse (hot buffer on the device)"}}
+         "hisparse": {"color": "tab:blue", "marker": "s", "label": "HiSparse (hot buffer on the device)"},
+         "ceiling": {"color": "tab:green", "marker": "^", "linestyle": "--",
+                     "label": "ceiling (baseline with memory for every request)"}}
 
 
 def _series(rows: list[dict], mode: str, key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:

@@ -1,22 +1,22 @@
 """The serving benchmark's Markdown report: one row per mode and concurrency, HiSparse's throughput ratio
-over the baseline at each level, and the workload that produced them (so a table pasted elsewhere still
-says what it measured)."""
+over the baseline at each level (and the ceiling's, where it ran), and the workload that produced them (so a
+table pasted elsewhere still says what it measured)."""
 
 from __future__ import annotations
 
 
-def _per_level(rows: list[dict], figure) -> dict[int, float | None]:
-    """concurrency -> figure(HiSparse's row, the baseline's row), at each level both modes ran."""
+def _per_level(rows: list[dict], figure, mode: str = "hisparse", other: str = "baseline") -> dict[int, float | None]:
+    """concurrency -> figure(`mode`'s row, `other`'s row), at each level both modes ran."""
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    return {concurrency: figure(row, by["baseline", concurrency])
-            for (mode, concurrency), row in sorted(by.items())
-            if mode == "hisparse" and ("baseline", concurrency) in by}
+    return {concurrency: figure(row, by[other, concurrency])
+            for (name, concurrency), row in sorted(by.items())
+            if name == mode and (other, concurrency) in by}
 
 
-def ratios(rows: list[dict]) -> dict[int, float | None]:
-    """concurrency -> HiSparse output throughput / baseline output throughput."""
-    return _per_level(rows, lambda hisparse, base: hisparse["output_tok_s"] / base["output_tok_s"]
-                      if base["output_tok_s"] else None)
+def ratios(rows: list[dict], mode: str = "hisparse", other: str = "baseline") -> dict[int, float | None]:
+    """concurrency -> `mode`'s output throughput / `other`'s."""
+    return _per_level(rows, lambda row, base: row["output_tok_s"] / base["output_tok_s"]
+                      if base["output_tok_s"] else None, mode, other)
 
 
 def prefill_bounds(rows: list[dict]) -> dict[int, float | None]:
@@ -39,14 +39,15 @@ def _pair(a: float | None, b: float | None, scale: float, digits: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    ratio = ratios(rows)
+    ratio = {mode: ratios(rows, mode) for mode in {r["mode"] for r in rows} - {"baseline"}}
     lines = ["| concurrency | mode | max running | output tok/s | vs baseline | TTFT median / p99 (s) "
              "| ITL median / p99 (ms) | engine decode step (ms) | engine time in steps with prompt chunks / "
              "decode-only (s) | hit rate | failed |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in sorted(rows, key=lambda r: (r["concurrency"], r["mode"])):
         c = row["concurrency"]
-        vs = f"{ratio[c]:.2f}x" if row["mode"] == "hisparse" and ratio.get(c) is not None else ""
+        vs = ratio.get(row["mode"], {}).get(c)
+        vs = "" if vs is None else f"{vs:.2f}x"
         hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.1%}"
         step = "-" if row.get("decode_step_s") is None else f"{row['decode_step_s'] * 1000:.0f}"
         lines.append(f"| {c} | {row['mode']} | {row['max_running']} | {row['output_tok_s']:.2f} | {vs} "
@@ -62,6 +63,11 @@ def markdown_report(report: dict) -> str:
     admitted = report["admitted_at_once"]
     ratio = report["hisparse_vs_baseline"]
     load = " / ".join(f"{x:.1f}" for x in report["load_average_before"])
+    ceiling = []
+    if "ceiling_vs_baseline" in report:
+        ceiling = [f"Ceiling (the baseline with the device memory to run every request of the highest level at "
+                   f"once) / baseline: {_by_level(report['ceiling_vs_baseline'])}; HiSparse / ceiling: "
+                   f"{_by_level(report['hisparse_vs_ceiling'])}", ""]
     return "\n".join([
         "# Serving benchmark: HiSparse off vs on, same device KV budget",
         "",
@@ -69,7 +75,8 @@ def markdown_report(report: dict) -> str:
         f"level, {w['prompt_tokens']} prompt "
         f"tokens ({w['text']}) + {w['output_tokens']} output tokens each (ignore_eos)",
         f"- device KV budget: {report['device_kv_budget_bytes'] / 2**20:.1f} MiB for both; admitted at once: "
-        f"baseline {admitted['baseline']}, HiSparse {admitted['hisparse']}",
+        f"baseline {admitted['baseline']}, HiSparse {admitted['hisparse']}"
+        + (f", ceiling {admitted['ceiling']} (its own budget)" if "ceiling" in admitted else ""),
         f"- HiSparse config: `{report['hisparse_config']}`",
         f"- started {report['started']}, took {report['seconds']:.0f} s; load average before: {load}",
         "",
@@ -80,4 +87,5 @@ def markdown_report(report: dict) -> str:
         "At most, with HiSparse's decode-only steps free (the baseline's wall time over HiSparse's time in steps "
         f"with prompt chunks): {_by_level(prefill_bounds(report['results']))}",
         "",
+        *ceiling,
     ])

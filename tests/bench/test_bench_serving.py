@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hisparse.bench.serving import main, rounds_of
+from hisparse.bench.serving import main, rounds_of, turn_order
 from hisparse.layers.indexer import SHIPPED_WEIGHTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHIPPED_WEIGHTS.exists(),
@@ -24,12 +24,12 @@ ARGS = ["--prompt-tokens", "96", "--output-tokens", str(OUTPUT_TOKENS), "--concu
 
 
 def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
-    assert main([*ARGS, "--out-dir", str(tmp_path)]) == 0
+    assert main([*ARGS, "--ceiling", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     admitted = report["admitted_at_once"]
-    assert admitted == {"baseline": 1, "hisparse": 3}
+    assert admitted == {"baseline": 1, "hisparse": 3, "ceiling": 3}  # the ceiling's budget holds the highest level
     rows = {(r["mode"], r["concurrency"]): r for r in report["results"]}
-    assert set(rows) == {(m, c) for m in ("baseline", "hisparse") for c in (1, 3)}
+    assert set(rows) == {(m, c) for m in ("baseline", "hisparse", "ceiling") for c in (1, 3)}
     for (mode, concurrency), row in rows.items():
         assert row["failed"] == 0, row["errors"]
         assert row["requests"] == max(concurrency, 3)  # --min-requests 3 by default
@@ -46,8 +46,12 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
             assert row["hits"] + row["misses"] > 0 and 0 < row["hit_rate"] < 1
         else:
             assert row["hit_rate"] is None
-    # The point of the comparison: at 3 concurrent requests only HiSparse runs them all at once.
+    # The point of the comparison: at 3 concurrent requests only HiSparse (and the ceiling) runs them all at once.
     assert rows["baseline", 3]["max_running"] == 1 and rows["hisparse", 3]["max_running"] == 3
+    assert rows["ceiling", 3]["max_running"] == 3
+    for key, mode, other in (("ceiling_vs_baseline", "ceiling", "baseline"), ("hisparse_vs_ceiling", "hisparse",
+                                                                             "ceiling")):
+        assert report[key]["3"] == pytest.approx(rows[mode, 3]["output_tok_s"] / rows[other, 3]["output_tok_s"])
     ratio = report["hisparse_vs_baseline"]
     assert set(ratio) == {"1", "3"}
     assert ratio["3"] == pytest.approx(rows["hisparse", 3]["output_tok_s"] / rows["baseline", 3]["output_tok_s"])
@@ -57,10 +61,11 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
 
     markdown = (tmp_path / "results.md").read_text()
     assert "| 3 | hisparse | 3 |" in markdown and "| 3 | baseline | 1 |" in markdown
+    assert "| 3 | ceiling | 3 |" in markdown and "HiSparse / ceiling: c=1: " in markdown
     assert markdown in capsys.readouterr().out  # the table is printed too
     for name in ("throughput.png", "latency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for mode in ("baseline", "hisparse"):
+    for mode in ("baseline", "hisparse", "ceiling"):
         assert "hisparse.launch_server" in (tmp_path / f"server-{mode}.log").read_text()
 
 
@@ -90,3 +95,10 @@ def test_rounds_keep_the_level_concurrency():
         rounds = rounds_of(prompts, c)
         assert [x for r in rounds for x in r] == prompts
         assert all(len(r) >= min(c, len(prompts)) for r in rounds)
+
+
+def test_turns_rotate_so_that_each_mode_goes_first_in_turn():
+    assert turn_order(("a", "b"), 0) == ("a", "b") and turn_order(("a", "b"), 1) == ("b", "a")
+    three = ("a", "b", "c")
+    assert [turn_order(three, t)[0] for t in range(4)] == ["a", "b", "c", "a"]
+    assert all(sorted(turn_order(three, t)) == list(three) for t in range(3))
