@@ -7,12 +7,16 @@ machine builds anew. Builds write a temporary
 file and rename it, so processes building at once never load half a library. OpenMP loops in them run on the
 process's one libgomp: torch's team (`numba_threads`).
 
+`HISPARSE_DISABLE_C_KERNELS=1` keeps every one of them unloaded, and `eager()` within a block, so that each
+caller runs its PyTorch fallback: the eager model the kernels must agree with (tests/engine/test_compiled_vs_eager.py).
+
 Libraries load as `ctypes.PyDLL`, which keeps the GIL during a call as torch's and numba's kernels do: released,
 another thread could run torch ops on a second OpenMP team meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -27,6 +31,7 @@ import torch
 COMMAND = ("gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The argument types the kernels' signatures use: a tensor's data_ptr(), an int64_t, an int (a flag), a float.
 POINTER, INT64, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+DISABLE_ALL_ENV = "HISPARSE_DISABLE_C_KERNELS"
 
 
 def autograd_records(*tensors: torch.Tensor) -> bool:
@@ -47,11 +52,34 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+LIBRARIES: list[CLibrary] = []  # every kernel's library, as its module declared it
+_eager = False  # within `eager()`: libraries declared meanwhile start unavailable too
+
+
+@contextlib.contextmanager
+def eager():
+    """Every C kernel unavailable within the block, those of modules first imported in it too: callers built
+    inside it run PyTorch's ops (an engine binds some kernels when it is built, so build it inside)."""
+    global _eager
+    before = len(LIBRARIES)
+    saved = [library._library for library in LIBRARIES]
+    for library in LIBRARIES:
+        library._library = None
+    _eager = True
+    try:
+        yield
+    finally:
+        _eager = False
+        for library, state in zip(LIBRARIES, saved + [False] * (len(LIBRARIES) - before), strict=True):
+            library._library = state
+
+
 class CLibrary:
     """One C file's library, built and loaded on first use by whichever thread asks first.
 
     functions: each exported function's (result type, argument types), None for void. `load()` is None where the
-    library cannot be had: no gcc, no source in this install, a missing CPU flag, or `disable_env` set to 1; a
+    library cannot be had: no gcc, no source in this install, a missing CPU flag, or `disable_env` (or
+    DISABLE_ALL_ENV) set to 1; a
     failed build also warns with gcc's message, naming `fallback` (what callers do instead)."""
 
     def __init__(self, source: Path, functions: dict[str, tuple[type | None, list[type]]], fallback: str,
@@ -61,8 +89,9 @@ class CLibrary:
         self.fallback = fallback
         self.required_flags = required_flags
         self.disable_env = disable_env
-        self._library: ctypes.PyDLL | None | bool = False  # False: not tried yet
+        self._library: ctypes.PyDLL | None | bool = None if _eager else False  # False: not tried yet
         self._loading = threading.Lock()
+        LIBRARIES.append(self)
 
     def load(self) -> ctypes.PyDLL | None:
         if self._library is False:  # the lock only until the first answer: a decode step asks thousands of times
@@ -77,7 +106,7 @@ class CLibrary:
 
     def _build_and_load(self) -> ctypes.PyDLL | None:
         flags = cpu_flags()
-        if ((self.disable_env and os.environ.get(self.disable_env) == "1")
+        if (os.environ.get(DISABLE_ALL_ENV) == "1" or (self.disable_env and os.environ.get(self.disable_env) == "1")
                 or not all(f in flags for f in self.required_flags)):
             return None
         try:

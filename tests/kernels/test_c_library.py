@@ -3,6 +3,7 @@ what notices a broken C file), and a failing build says why."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import warnings
 
@@ -18,7 +19,7 @@ from hisparse.kernels import (
     rms_norm_cpu,
     rotary_cpu,
 )
-from hisparse.kernels.c_library import CLibrary, cpu_flags
+from hisparse.kernels.c_library import LIBRARIES, CLibrary, cpu_flags, eager
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc here")
 
@@ -58,4 +59,20 @@ def test_a_missing_cpu_flag_or_the_switch_gives_none_without_building(tmp_path, 
     assert CLibrary(source, {}, "x", required_flags=("no_such_flag",)).load() is None
     monkeypatch.setenv("HISPARSE_TEST_SWITCH", "1")
     assert CLibrary(source, {}, "x", disable_env="HISPARSE_TEST_SWITCH").load() is None
+    monkeypatch.setenv("HISPARSE_DISABLE_C_KERNELS", "1")  # every library's switch
+    assert CLibrary(source, {}, "x").load() is None
     assert [p.name for p in tmp_path.iterdir()] == ["never.c"]
+
+
+@needs_gcc
+def test_eager_unloads_every_library_for_the_block_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    library = CLibrary(source, {"one": (ctypes.c_int, [])}, "x")
+    assert library in LIBRARIES and library.load().one() == 1
+    with eager():
+        assert not library.available()
+        declared_within = CLibrary(source, {"one": (ctypes.c_int, [])}, "x")  # a module first imported in the block
+        assert not declared_within.available()
+    assert library.load().one() == 1 and declared_within.load().one() == 1
