@@ -17,16 +17,19 @@ void rms_norm(const uint16_t *x, const uint16_t *delta, uint16_t *sum, const uin
         if (delta) {
             const uint16_t *d = delta + r * dim;
             uint16_t *s = sum + r * dim;
+            #pragma omp simd
             for (int64_t i = 0; i < dim; i++) s[i] = float_to_bf16(bf16_to_float(in[i]) + bf16_to_float(d[i]));
             in = s;
         }
         double squares = 0.0;
+        #pragma omp simd reduction(+ : squares)  // any order: float64 holds these float32 squares' sum exactly enough
         for (int64_t i = 0; i < dim; i++) {
             float v = bf16_to_float(in[i]);
             squares += (double)(v * v);
         }
         float scale = 1.0f / sqrtf((float)squares / (float)dim + eps);
         uint16_t *o = out + r * dim;
+        #pragma omp simd
         for (int64_t i = 0; i < dim; i++) {
             float normed = bf16_to_float(float_to_bf16(bf16_to_float(in[i]) * scale));
             o[i] = float_to_bf16(bf16_to_float(weight[i]) * normed);
