@@ -6,8 +6,11 @@
 // products); each head's scores go through a softmax whose exponential is a polynomial; then the V halves,
 // TILE_ROWS valid rows at a time, are weighted into the outputs (each accumulator load and store serves the tile).
 // With AVX-512 and head dims in sixteens the loops are intrinsics; otherwise plain loops of the same arithmetic.
+// A request's query heads may be split between threads (when requests are fewer than threads): each head's
+// arithmetic is the same whichever heads share its call, so the outputs do not depend on the split.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,9 +88,10 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
     return s;
 }
 
-// scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i.
-static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t dim, float scale,
-                      float *scores, int64_t stride, int64_t j) {
+// scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i of
+// the call; query head i reads KV head (phase + i) / group of `keys` (phase: the first head's place in its group).
+static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t phase,
+                      int64_t dim, float scale, float *scores, int64_t stride, int64_t j) {
 #ifdef AVX512_PATHS
     if (dim % 16 == 0) {
         for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
@@ -95,14 +99,16 @@ static void score_row(const float *queries, const float *keys, int64_t heads, in
             for (int t = 0; t < 4; t++) h[t] = i + t < heads ? i + t : heads - 1;
             float four[4];
             _mm_storeu_ps(four, four_dots(queries + h[0] * dim, queries + h[1] * dim, queries + h[2] * dim,
-                                          queries + h[3] * dim, keys + (h[0] / group) * dim, keys + (h[1] / group) * dim,
-                                          keys + (h[2] / group) * dim, keys + (h[3] / group) * dim, dim));
+                                          queries + h[3] * dim, keys + ((phase + h[0]) / group) * dim,
+                                          keys + ((phase + h[1]) / group) * dim, keys + ((phase + h[2]) / group) * dim,
+                                          keys + ((phase + h[3]) / group) * dim, dim));
             for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
         }
         return;
     }
 #endif
-    for (int64_t i = 0; i < heads; i++) scores[i * stride + j] = dot(queries + i * dim, keys + (i / group) * dim, dim) * scale;
+    for (int64_t i = 0; i < heads; i++)
+        scores[i * stride + j] = dot(queries + i * dim, keys + ((phase + i) / group) * dim, dim) * scale;
 }
 
 // s[0..n) <- e^(s - max s); returns their sum.
@@ -135,10 +141,10 @@ static float softmax_numerators(float *s, int64_t n) {
 // acc[i] += sum_t weights[t][i] values[t][its KV head] for the tile's rows t < filled: each accumulator is loaded
 // and stored once for the tile.
 static void accumulate_tile(float *acc, float (*weights)[64], const float *values, int64_t row_values, int filled,
-                            int64_t heads, int64_t group, int64_t dim) {
+                            int64_t heads, int64_t group, int64_t phase, int64_t dim) {
     for (int64_t i = 0; i < heads; i++) {
         float *a = acc + i * dim;
-        const float *v = values + (i / group) * dim;
+        const float *v = values + ((phase + i) / group) * dim;
         if (filled == TILE_ROWS) {
             float p0 = weights[0][i], p1 = weights[1][i], p2 = weights[2][i], p3 = weights[3][i];
             const float *v0 = v, *v1 = v + row_values, *v2 = v + 2 * row_values, *v3 = v + 3 * row_values;
@@ -155,14 +161,17 @@ static void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 2);  // to L2: L1 has too few fill buffers
 }
 
-// Request b's outputs: 0, or 2 when its scores could not be allocated.
+// The outputs of a request's query heads [first, last) (q and out: the request's own): 0, or 2 when its scores
+// could not be allocated. Only the KV heads these read are widened.
 static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, int64_t length, const char *q,
-                          int q_bf16, float scale, int64_t kv_heads, int64_t group, int64_t dim, char *out) {
-    int64_t heads = kv_heads * group, half_values = kv_heads * dim, element = pool_bf16 ? 2 : 4;
-    int64_t half_bytes = half_values * element;
+                          int q_bf16, float scale, int64_t kv_heads, int64_t group, int64_t dim, int64_t first,
+                          int64_t last, char *out) {
+    int64_t heads = last - first, phase = first % group, kv_first = first / group;
+    int64_t kv_used = (last - 1) / group + 1 - kv_first, element = pool_bf16 ? 2 : 4, q_element = q_bf16 ? 2 : 4;
+    int64_t half_bytes = kv_heads * dim * element, half_values = kv_used * dim, skip = kv_first * dim * element;
     float queries[heads * dim], acc[heads * dim], keys[half_values], tile[TILE_ROWS * half_values];
     float weights[TILE_ROWS][64];
-    widen(q, q_bf16, heads * dim, queries);
+    widen(q + first * dim * q_element, q_bf16, heads * dim, queries);
     float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
     if (!scores) return 2;
     int64_t valid = 0;
@@ -174,8 +183,8 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
             continue;
         }
         valid++;
-        widen(pool + rows[j] * 2 * half_bytes, pool_bf16, half_values, keys);
-        score_row(queries, keys, heads, group, dim, scale, scores, length, j);
+        widen(pool + rows[j] * 2 * half_bytes + skip, pool_bf16, half_values, keys);
+        score_row(queries, keys, heads, group, phase, dim, scale, scores, length, j);
     }
     float inverse[heads];
     for (int64_t i = 0; i < heads; i++) inverse[i] = valid ? 1.0f / softmax_numerators(scores + i * length, length) : 0.0f;
@@ -183,20 +192,20 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     int filled = 0;
     for (int64_t j = 0; j < length && valid; j++) {
         if (rows[j] < 0) continue;
-        widen(pool + rows[j] * 2 * half_bytes + half_bytes, pool_bf16, half_values, tile + filled * half_values);
+        widen(pool + rows[j] * 2 * half_bytes + half_bytes + skip, pool_bf16, half_values, tile + filled * half_values);
         for (int64_t i = 0; i < heads; i++) weights[filled][i] = scores[i * length + j];
         if (++filled == TILE_ROWS) {
-            accumulate_tile(acc, weights, tile, half_values, filled, heads, group, dim);
+            accumulate_tile(acc, weights, tile, half_values, filled, heads, group, phase, dim);
             filled = 0;
         }
     }
-    if (filled) accumulate_tile(acc, weights, tile, half_values, filled, heads, group, dim);
+    if (filled) accumulate_tile(acc, weights, tile, half_values, filled, heads, group, phase, dim);
     free(scores);
     for (int64_t i = 0; i < heads; i++) {
         for (int64_t d = 0; d < dim; d++) {
             float value = acc[i * dim + d] * inverse[i];
-            if (q_bf16) ((uint16_t *)out)[i * dim + d] = float_to_bf16(value);
-            else ((float *)out)[i * dim + d] = value;
+            if (q_bf16) ((uint16_t *)out)[(first + i) * dim + d] = float_to_bf16(value);
+            else ((float *)out)[(first + i) * dim + d] = value;
         }
     }
     return 0;
@@ -205,7 +214,8 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
 // out [batch, kv_heads x group, dim] (q's dtype, contiguous) = softmax((q . K) scale) V over the pool rows
 // rows[b, j] >= 0 (rows [batch, length]) of each request, a request without rows getting zeros. pool: rows of K then
 // V ([kv_heads, dim] each), bfloat16 or float32; q: [batch, heads, dim], request b at b x q_stride values, bfloat16
-// or float32. Returns 0; 1 (nothing written) when a row is outside [-1, pool_rows); 2 when memory ran out;
+// or float32. In parallel, fewer requests than threads split their heads into `threads / batch` parts (at most one
+// a head). Returns 0; 1 (nothing written) when a row is outside [-1, pool_rows); 2 when memory ran out;
 // 3 when the heads do not fit (more than 64 query heads or MAX_HEAD_VALUES values).
 int decode_attention(const void *pool, int64_t pool_rows, int pool_bf16, const int64_t *rows, int64_t batch,
                      int64_t length, const void *q, int64_t q_stride, int q_bf16, float scale, int64_t kv_heads,
@@ -213,11 +223,16 @@ int decode_attention(const void *pool, int64_t pool_rows, int pool_bf16, const i
     if (kv_heads * group > 64 || kv_heads * group * dim > MAX_HEAD_VALUES) return 3;
     for (int64_t i = 0; i < batch * length; i++)
         if (rows[i] < -1 || rows[i] >= pool_rows) return 1;
-    int64_t heads = kv_heads * group, q_element = q_bf16 ? 2 : 4;
+    int64_t heads = kv_heads * group, q_element = q_bf16 ? 2 : 4, threads = parallel ? omp_get_max_threads() : 1;
+    int64_t parts = batch < threads ? (threads + batch - 1) / batch : 1;
+    if (parts > heads) parts = heads;
     int failed = 0;
     #pragma omp parallel for if (parallel) schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t b = 0; b < batch; b++)
+    for (int64_t item = 0; item < batch * parts; item++) {
+        int64_t b = item / parts, part = item % parts;
         failed |= attend_request(pool, pool_bf16, rows + b * length, length, (const char *)q + b * q_stride * q_element,
-                                 q_bf16, scale, kv_heads, group, dim, (char *)out + b * heads * dim * q_element);
+                                 q_bf16, scale, kv_heads, group, dim, heads * part / parts, heads * (part + 1) / parts,
+                                 (char *)out + b * heads * dim * q_element);
+    }
     return failed;
 }

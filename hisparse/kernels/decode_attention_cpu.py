@@ -10,7 +10,8 @@ rows ahead and widened to float32 as it is read (a bfloat16 is the top 16 bits o
 half is widened once and scored by every query head; then the softmax; then the V halves, four rows at a time,
 are weighted into the output (each accumulator load and store serves the four).
 
-The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
+With fewer requests than threads, each request's query heads are split between them (a head's arithmetic is the
+same whichever heads share its call, so the split changes no output). The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
 per head costs as much as the products), and the softmax's exponential is a vectorized polynomial. Built on
 first use (`kernels.c_library`); where it cannot be (no gcc), `available()` is False and `attend_rows` gathers the
 rows for SDPA.
@@ -27,10 +28,12 @@ import torch
 from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary
 from hisparse.kernels.numba_threads import on_torch_team
 
-# batch x rows from which requests run in parallel. On torch's own OpenMP team (numba_threads) a parallel region
-# costs a wake-up: int4 engine steps at batch 8 / 6 and ~100-token contexts (about 1k and 700 rows) took 0.94x /
-# 0.96x as long with 1024 as with 4096, the two thresholds taking turns every 10 steps (medians of 16).
-PARALLEL_MIN_ROWS = 1024 if on_torch_team() else 4096
+# batch x rows from which the call runs on the thread team: requests in parallel, and a request's query heads split
+# between threads when requests are fewer. On torch's own OpenMP team (numba_threads), whose threads are awake
+# from the step's matmuls, int4 engine steps of 100-token prompts (contexts 100-240, the thresholds taking turns
+# every 10 steps, medians of 70) took 0.971x / 0.922x / 0.919x as long at batch 1 / 2 / 4 with 64 as with 1024;
+# with 600-token prompts (256 selected rows) 0.983x at batch 1. On TBB a parallel region costs a wake-up.
+PARALLEL_MIN_ROWS = 64 if on_torch_team() else 4096
 MAX_QUERY_HEADS = 64  # the C file's
 MAX_HEAD_VALUES = 16384  # query heads x head dim, the C file's
 

@@ -72,6 +72,31 @@ def test_a_bfloat16_query_is_read_in_place_and_rounded_as_to_does(parallel):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("heads", [(3, 3, 64), (2, 3, 8), (1, 5, 16), (4, 1, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_split_between_threads_give_the_serial_bits(heads, dtype):
+    """Fewer requests than threads split each request's query heads into parts, cut anywhere in a KV head's
+    group: each head's output has the very bits of the serial call (4 threads: batch 1 in four parts, batch 3 in
+    two; the parts never exceed the heads)."""
+    num_kv_heads, group, head_dim = heads
+    torch.manual_seed(1)
+    pool = (torch.randn(500, 2 * num_kv_heads * head_dim) * 3).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for batch in (1, 3):
+            rows = torch.randint(0, 500, (batch, 70))
+            rows[0, ::5] = -1
+            q = torch.randn(batch, num_kv_heads * group, head_dim).to(dtype)
+            with patch.object(decode_attention_cpu, "PARALLEL_MIN_ROWS", 1 << 60):
+                serial = sparse_decode_attention(pool, rows, q, 0.3, num_kv_heads, head_dim)
+            with patch.object(decode_attention_cpu, "PARALLEL_MIN_ROWS", 0):
+                split = sparse_decode_attention(pool, rows, q, 0.3, num_kv_heads, head_dim)
+            assert torch.equal(split, serial)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_request_without_rows_gets_zeros_and_the_others_are_unaffected():
     pool = torch.randn(10, 2 * 2 * 8)
     rows = torch.tensor([[-1, -1, -1], [3, -1, 7]])
