@@ -27,8 +27,13 @@ from pathlib import Path
 import torch
 
 from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
+from hisparse.kernels.numba_threads import on_torch_team
 
-PARALLEL_MIN_KEYS = 4096  # below this a parallel region costs more than it saves
+# batch x keys from which the tiles run on the thread team. On torch's own OpenMP team (numba_threads), awake from the
+# step's matmuls, engine steps of one request with ~1.6k keys (the two taking turns every 10 steps, medians of 70)
+# took 0.977x-0.978x as long with 512 as with 4096 (HiSparse and not), two requests 0.983x; ~700 keys 0.996x. On
+# TBB a parallel region costs a wake-up.
+PARALLEL_MIN_KEYS = 1024 if on_torch_team() else 4096
 
 
 _LIBRARY = CLibrary(
