@@ -10,11 +10,11 @@ rows ahead and widened to float32 as it is read (a bfloat16 is the top 16 bits o
 half is widened once and scored by every query head; then the softmax; then the V halves, four rows at a time,
 are weighted into the output (each accumulator load and store serves the four).
 
-With fewer requests than threads, each request's query heads are split between them (a head's arithmetic is the
-same whichever heads share its call, so the split changes no output). The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
-per head costs as much as the products), and the softmax's exponential is a vectorized polynomial. Built on
-first use (`kernels.c_library`); where it cannot be (no gcc), `available()` is False and `attend_rows` gathers the
-rows for SDPA.
+The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
+per head costs as much as the products), and the softmax's exponential is a vectorized polynomial. With fewer
+requests than threads, each request's query heads are split between them (a head's arithmetic is the same
+whichever heads share its call, so the split changes no output). Built on first use (`kernels.c_library`); where
+it cannot be (no gcc), `available()` is False and `attend_rows` gathers the rows for SDPA.
 
 Rows whose index is -1 take no part; a request with none gets zeros.
 """
