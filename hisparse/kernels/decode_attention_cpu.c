@@ -17,13 +17,13 @@
 
 #include "avx512.h"
 #include "bfloat16.h"
+#include "exp_nonpositive.h"
 
 #pragma GCC target("prefer-vector-width=512")  // the plain loops (widening, weighting V) in full-width vectors
 
 #define TILE_ROWS 4
 #define PREFETCH_AHEAD 8  // rows
 #define MAX_HEAD_VALUES 16384  // query heads x head dim: the widened queries and outputs live on the stack
-#define LOG2_E 1.4426950408889634f
 
 // values [n] of a row half, bfloat16 or float32, as float32
 static void widen(const void *src, int bf16, int64_t n, float *dst) {
@@ -35,38 +35,7 @@ static void widen(const void *src, int bf16, int64_t n, float *dst) {
     }
 }
 
-// e^x for x <= 0 (-inf gives 0): 2^(x log2 e) = 2^n 2^f, n an integer and f in [-1/2, 1/2], 2^f the degree-6
-// Taylor polynomial of e^(f ln 2) (error below 1.2e-7), 2^n built from its exponent bits; clamped at 2^-127, whose
-// bits are those of 0.0.
-static inline float exp_nonpositive(float x) {
-    float y = fmaxf(x * LOG2_E, -127.0f), n = floorf(y + 0.5f), f = y - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.618129107628477e-3f;
-    p = p * f + 5.550410866482158e-2f;
-    p = p * f + 0.2402265069591007f;
-    p = p * f + 0.6931471805599453f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } power = {.u = (uint32_t)((int32_t)n + 127) << 23};
-    return p * power.f;
-}
-
 #ifdef AVX512_PATHS
-static inline __m512 exp_nonpositive16(__m512 x) {
-    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)), _mm512_set1_ps(-127.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // The dot products of four queries with four keys (float32 [dim] each, dim a multiple of 16), summed across
 // their lanes together: [4].
 static inline __m128 four_dots(const float *q0, const float *q1, const float *q2, const float *q3, const float *k0,

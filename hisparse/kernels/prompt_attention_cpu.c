@@ -1,0 +1,181 @@
+// Causal attention of a prompt chunk over its context with AMX tiles: bfloat16 Q, K, V, head dim 64. Built and
+// loaded by prompt_attention_cpu.py, which says what it computes and why it is shaped so.
+//
+// Per (query head, 16 queries): QK^T of 32 keys at a time in two C tiles (Q as two A tiles, dims 0-31 and 32-63;
+// K packed per KV head as [16-key block][dim pair][16 keys][2]), the scores of up to KB keys stored, scaled,
+// masked and softmaxed online in AVX-512 (the decode kernel's polynomial exponential), P in bfloat16 as A tiles
+// of 32 keys, V packed as [key pair][dim][2], the outputs accumulated in four C tiles of 16 dims.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bfloat16.h"
+#include "exp_nonpositive.h"
+
+#define D 64     // head dim
+#define KB 256   // keys whose scores are softmaxed together
+#define ROWS 16  // queries a work item
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// The process's permission to use AMX tile data (Linux asks for it once): 0 when granted.
+int amx_permit(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void configure_tiles(void) {  // eight tiles of 16 rows x 64 bytes
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    __asm__ volatile("" : : "r"(&c) : "memory");  // gcc 12 drops the stores above without it
+    _tile_loadconfig(&c);
+}
+
+// One work item: query head h's queries [i0, i0 + 16) (rows past T computed on zeros and dropped).
+static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *vv, int64_t T, int64_t S,
+                         int64_t heads, int64_t h, int64_t i0, float scale, uint16_t *out) {
+    float s[ROWS * KB] __attribute__((aligned(64)));
+    uint16_t p[ROWS * KB] __attribute__((aligned(64)));
+    float o[ROWS * D] __attribute__((aligned(64)));
+    uint16_t queries[ROWS * D] __attribute__((aligned(64)));
+    float top[ROWS], total[ROWS];
+    int64_t rows = T - i0 < ROWS ? T - i0 : ROWS;
+    memset(queries, 0, sizeof queries);
+    for (int64_t r = 0; r < rows; r++) memcpy(queries + r * D, q + ((i0 + r) * heads + h) * D, D * 2);
+    for (int r = 0; r < ROWS; r++) {
+        top[r] = -INFINITY;
+        total[r] = 0.0f;
+    }
+    int64_t offset = S - T;  // query i sits at position offset + i and sees keys 0 .. offset + i
+    int64_t last = offset + i0 + rows - 1;
+    const __m512 scaled = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 <= last; j0 += KB) {
+        int64_t width = 0;
+        _tile_loadd(0, queries, D * 2);
+        _tile_loadd(1, queries + 32, D * 2);
+        for (int64_t jb = j0; jb < j0 + KB && jb <= last; jb += 32, width += 32) {
+            const uint16_t *block = kt + (jb / 16) * 32 * 16 * 2;
+            _tile_zero(2);
+            _tile_loadd(4, block, 64);
+            _tile_loadd(5, block + 16 * 32, 64);
+            _tile_dpbf16ps(2, 0, 4);
+            _tile_dpbf16ps(2, 1, 5);
+            _tile_stored(2, s + (jb - j0), KB * 4);
+            _tile_zero(3);
+            _tile_loadd(4, block + 32 * 32, 64);  // the next 16 keys (zero past S: `padded` keys are packed)
+            _tile_loadd(5, block + 32 * 32 + 16 * 32, 64);
+            _tile_dpbf16ps(3, 0, 4);
+            _tile_dpbf16ps(3, 1, 5);
+            _tile_stored(3, s + (jb - j0) + 16, KB * 4);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            int64_t position = offset + i0 + (r < rows ? r : rows - 1);
+            __m512 best = minus_inf;
+            for (int64_t c = 0; c < width; c += 16) {
+                int64_t allowed = position - (j0 + c) + 1;
+                __mmask16 mask = allowed >= 16 ? 0xFFFF : (allowed > 0 ? (__mmask16)((1u << allowed) - 1) : 0);
+                __m512 x = _mm512_mask_mul_ps(minus_inf, mask, _mm512_load_ps(s + r * KB + c), scaled);
+                _mm512_store_ps(s + r * KB + c, x);
+                best = _mm512_max_ps(best, x);
+            }
+            float new_top = fmaxf(top[r], _mm512_reduce_max_ps(best));
+            float alpha = top[r] == -INFINITY ? 0.0f : exp_nonpositive(top[r] - new_top);
+            __m512 shift = _mm512_set1_ps(new_top), sum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < width; c += 32) {
+                __m512 a = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + r * KB + c), shift));
+                __m512 b = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + r * KB + c + 16), shift));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+                _mm512_store_si512((__m512i *)(p + r * KB + c), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            }
+            total[r] = total[r] * alpha + _mm512_reduce_add_ps(sum);
+            top[r] = new_top;
+            if (j0 > 0)
+                for (int d = 0; d < D; d += 16)
+                    _mm512_store_ps(o + r * D + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), _mm512_set1_ps(alpha)));
+        }
+        if (j0 == 0) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+        } else {
+            _tile_loadd(4, o, D * 4);
+            _tile_loadd(5, o + 16, D * 4);
+            _tile_loadd(6, o + 32, D * 4);
+            _tile_loadd(7, o + 48, D * 4);
+        }
+        for (int64_t c = 0; c < width; c += 32) {
+            const uint16_t *values = vv + ((j0 + c) / 2) * D * 2;
+            _tile_loadd(0, p + c, KB * 2);
+            _tile_loadd(1, values, D * 2 * 2);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(1, values + 32, D * 2 * 2);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(1, values + 64, D * 2 * 2);
+            _tile_dpbf16ps(6, 0, 1);
+            _tile_loadd(1, values + 96, D * 2 * 2);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, o, D * 4);
+        _tile_stored(5, o + 16, D * 4);
+        _tile_stored(6, o + 32, D * 4);
+        _tile_stored(7, o + 48, D * 4);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float inverse = 1.0f / total[r];
+        uint16_t *at = out + ((i0 + r) * heads + h) * D;
+        for (int d = 0; d < D; d++) at[d] = float_to_bf16(o[r * D + d] * inverse);
+    }
+}
+
+// out [T, Hq, 64] (bfloat16) = softmax(q K^T scale, causal) V for q [T, Hq, 64], the last T of S positions, whose
+// K and V are the pool rows slots[0..S) (a row: K then V, [kv_heads, 64] each, bfloat16); query head h reads KV
+// head h / group. Returns 0; 1 (nothing written) when a slot is outside [0, pool_rows); -1 when memory ran out.
+int prompt_attention(const uint16_t *q, const uint16_t *pool, int64_t pool_rows, const int64_t *slots, int64_t T,
+                     int64_t S, int64_t kv_heads, int64_t group, float scale, uint16_t *out, int parallel) {
+    for (int64_t j = 0; j < S; j++)
+        if (slots[j] < 0 || slots[j] >= pool_rows) return 1;
+    int64_t heads = kv_heads * group, padded = (S + 31) / 32 * 32 + 32;  // whole 32-key blocks, and one more
+    size_t per_head = (size_t)padded * D;
+    uint16_t *kt = calloc(2 * kv_heads * per_head, sizeof(uint16_t));
+    if (!kt) return -1;
+    uint16_t *vv = kt + kv_heads * per_head;
+    for (int64_t j = 0; j < S; j++) {
+        const uint16_t *row = pool + slots[j] * 2 * kv_heads * D;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            uint32_t *keys = (uint32_t *)(kt + g * per_head);  // dim pairs as uint32: [j / 16][pair][j % 16]
+            const uint32_t *key = (const uint32_t *)(row + g * D);
+            for (int pair = 0; pair < D / 2; pair++) keys[((j / 16) * (D / 2) + pair) * 16 + j % 16] = key[pair];
+            uint16_t *values = vv + g * per_head;  // [j / 2][d][j % 2]
+            const uint16_t *value = row + (kv_heads + g) * D;
+            for (int d = 0; d < D; d++) values[((j / 2) * D + d) * 2 + j % 2] = value[d];
+        }
+    }
+    int64_t blocks = (T + ROWS - 1) / ROWS;
+    #pragma omp parallel if (parallel)
+    {
+        configure_tiles();
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < heads * blocks; item++) {
+            int64_t h = item % heads, i0 = (item / heads) * ROWS;
+            attend_block(q, kt + (h / group) * per_head, vv + (h / group) * per_head, T, S, heads, h, i0, scale, out);
+        }
+        _tile_release();
+    }
+    free(kt);
+    return 0;
+}
