@@ -9,8 +9,10 @@ import torch
 
 from hisparse.attention.functional import aligned_key_count, attend_prompt, causal_mask
 from hisparse.attention.step_selection import StepSelection, rows_of
-from hisparse.formats.kv_layout import RowLayout
+from hisparse.formats.kv_layout import KVLayout, RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
+from hisparse.kernels import prompt_attention_cpu
+from hisparse.kernels.c_library import autograd_records
 
 
 @dataclass
@@ -48,6 +50,12 @@ def attend_prompt_chunks(out: torch.Tensor, layer: int, q: torch.Tensor, index_q
         queries = q[chunk.tokens]
         if chosen is not None:
             out[chunk.tokens] = attend_prompt(pool, chunk.pool_rows, queries, scale, layout, chosen)
+            continue
+        if (isinstance(layout, KVLayout) and prompt_attention_cpu.takes(queries, pool, layout.num_kv_heads)
+                and not autograd_records(queries) and prompt_attention_cpu.available()):
+            # AMX tiles, straight from the pool rows, no mask: the kernel knows which keys each query sees
+            out[chunk.tokens] = prompt_attention_cpu.prompt_attention(queries, pool, chunk.pool_rows,
+                                                                      layout.num_kv_heads, scale)
             continue
         context = chunk.pool_rows.shape[0]
         keys = aligned_key_count(context)

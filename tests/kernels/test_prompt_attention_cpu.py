@@ -54,3 +54,23 @@ def test_bad_slots_and_shapes_are_refused_before_anything_is_read():
         prompt_attention_cpu.prompt_attention(q.float(), pool, torch.tensor([0, 1]), 1, 0.125)
     assert not prompt_attention_cpu.takes(torch.zeros(2, 1, 32).bfloat16(), torch.zeros(10, 64).bfloat16(), 1)
 
+
+def test_prompt_chunks_of_a_bfloat16_pool_attend_through_it_without_masks():
+    """attend_prompt_chunks hands a bfloat16 pool of 64-dim heads to the kernel: no mask or padded rows are built,
+    and a first chunk and a later one attend as causal attention over their rows does."""
+    from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
+    from hisparse.formats.kv_layout import KVLayout
+
+    generator = torch.Generator().manual_seed(3)
+    layout = KVLayout(num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    pool = torch.randn(900, layout.row_width, generator=generator).bfloat16()
+    for tq, context in [(300, 300), (200, 500)]:
+        rows = torch.randperm(900, generator=generator)[:context]
+        chunk = PromptChunk(slice(0, tq), rows, None, None)
+        q = torch.randn(tq, 9, 64, generator=generator).bfloat16()
+        out = torch.empty(tq, 9, 64, dtype=torch.bfloat16)
+        attend_prompt_chunks(out, 0, q, None, None, [chunk], pool, 0.125, layout, None, None)
+        assert chunk.mask is None and chunk.causal_rows is None
+        k, v = layout.unpack(pool[rows])
+        want = causal_attention(q.float(), k.float(), v.float(), 0.125)
+        assert (out.float() - want).abs().max() <= 1e-2
