@@ -150,24 +150,36 @@ int prompt_attention(const uint16_t *q, const uint16_t *pool, int64_t pool_rows,
     for (int64_t j = 0; j < S; j++)
         if (slots[j] < 0 || slots[j] >= pool_rows) return 1;
     int64_t heads = kv_heads * group, padded = (S + 31) / 32 * 32 + 32;  // whole 32-key blocks, and one more
-    size_t per_head = (size_t)padded * D;
-    uint16_t *kt = calloc(2 * kv_heads * per_head, sizeof(uint16_t));
-    if (!kt) return -1;
-    uint16_t *vv = kt + kv_heads * per_head;
-    for (int64_t j = 0; j < S; j++) {
-        const uint16_t *row = pool + slots[j] * 2 * kv_heads * D;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            uint32_t *keys = (uint32_t *)(kt + g * per_head);  // dim pairs as uint32: [j / 16][pair][j % 16]
-            const uint32_t *key = (const uint32_t *)(row + g * D);
-            for (int pair = 0; pair < D / 2; pair++) keys[((j / 16) * (D / 2) + pair) * 16 + j % 16] = key[pair];
-            uint16_t *values = vv + g * per_head;  // [j / 2][d][j % 2]
-            const uint16_t *value = row + (kv_heads + g) * D;
-            for (int d = 0; d < D; d++) values[((j / 2) * D + d) * 2 + j % 2] = value[d];
-        }
+    size_t per_head = (size_t)padded * D, bytes = 2 * kv_heads * per_head * sizeof(uint16_t);
+    // The packed K and V, kept by the calling thread between calls: a fresh megabyte a call cost its page faults.
+    static __thread uint16_t *kept = NULL;
+    static __thread size_t kept_bytes = 0;
+    if (bytes > kept_bytes) {
+        free(kept);
+        kept = malloc(bytes);
+        kept_bytes = kept ? bytes : 0;
+        if (!kept) return -1;
+    }
+    uint16_t *kt = kept, *vv = kt + kv_heads * per_head;
+    for (int64_t g = 0; g < kv_heads; g++) {  // the keys past S are zeros: scores of 0, masked, and no V
+        memset(kt + g * per_head + (S / 16) * 16 * D, 0, (per_head - (S / 16) * 16 * D) * sizeof(uint16_t));
+        memset(vv + g * per_head + (S / 2) * 2 * D, 0, (per_head - (S / 2) * 2 * D) * sizeof(uint16_t));
     }
     int64_t blocks = (T + ROWS - 1) / ROWS;
     #pragma omp parallel if (parallel)
     {
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < S; j++) {
+            const uint16_t *row = pool + slots[j] * 2 * kv_heads * D;
+            for (int64_t g = 0; g < kv_heads; g++) {
+                uint32_t *keys = (uint32_t *)(kt + g * per_head);  // dim pairs as uint32: [j / 16][pair][j % 16]
+                const uint32_t *key = (const uint32_t *)(row + g * D);
+                for (int pair = 0; pair < D / 2; pair++) keys[((j / 16) * (D / 2) + pair) * 16 + j % 16] = key[pair];
+                uint16_t *values = vv + g * per_head;  // [j / 2][d][j % 2]
+                const uint16_t *value = row + (kv_heads + g) * D;
+                for (int d = 0; d < D; d++) values[((j / 2) * D + d) * 2 + j % 2] = value[d];
+            }
+        }  // the loop's end is a barrier: every row is packed before any block reads them
         configure_tiles();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < heads * blocks; item++) {
@@ -176,6 +188,5 @@ int prompt_attention(const uint16_t *q, const uint16_t *pool, int64_t pool_rows,
         }
         _tile_release();
     }
-    free(kt);
     return 0;
 }

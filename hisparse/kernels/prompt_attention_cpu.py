@@ -64,6 +64,8 @@ def prompt_attention(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, k
                          f"[N, 2 x {kv_heads} x {HEAD_DIM}] at int64 slots [S >= T], in CPU memory; got q "
                          f"{tuple(q.shape)} {q.dtype}, pool {tuple(pool.shape)} {pool.dtype}, slots "
                          f"{tuple(slots.shape)} {slots.dtype}")
+    if not available():  # also asks Linux for the AMX state, without which the tiles' instructions fault
+        raise RuntimeError("the AMX prompt attention is not available here (see prompt_attention_cpu.available)")
     q, slots = q.contiguous(), slots.contiguous()
     t, heads, _ = q.shape
     out = torch.empty_like(q)

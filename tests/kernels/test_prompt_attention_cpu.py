@@ -74,3 +74,15 @@ def test_prompt_chunks_of_a_bfloat16_pool_attend_through_it_without_masks():
         k, v = layout.unpack(pool[rows])
         want = causal_attention(q.float(), k.float(), v.float(), 0.125)
         assert (out.float() - want).abs().max() <= 1e-2
+
+
+def test_a_first_call_asks_for_the_amx_state_itself():
+    """Called first thing in a fresh process (no `available()` before it), the kernel still has Linux's permission
+    for AMX tile data: without it the tiles' first instruction kills the process."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from hisparse.kernels import prompt_attention_cpu as p; "
+            "out = p.prompt_attention(torch.ones(3, 2, 64).bfloat16(), torch.ones(5, 2 * 64).bfloat16(), "
+            "torch.arange(5), 1, 0.125); assert torch.allclose(out.float(), torch.ones(3, 2, 64))")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
