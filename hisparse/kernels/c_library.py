@@ -79,8 +79,8 @@ class CLibrary:
 
     functions: each exported function's (result type, argument types), None for void. `load()` is None where the
     library cannot be had: no gcc, no source in this install, a missing CPU flag, or `disable_env` (or
-    DISABLE_ALL_ENV) set to 1; a
-    failed build also warns with gcc's message, naming `fallback` (what callers do instead)."""
+    DISABLE_ALL_ENV) set to 1; a failed build also warns with gcc's message, naming `fallback` (what callers do
+    instead)."""
 
     def __init__(self, source: Path, functions: dict[str, tuple[type | None, list[type]]], fallback: str,
                  required_flags: tuple[str, ...] = (), disable_env: str | None = None) -> None:

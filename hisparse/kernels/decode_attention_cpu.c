@@ -161,7 +161,8 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     int filled = 0;
     for (int64_t j = 0; j < length && valid; j++) {
         if (rows[j] < 0) continue;
-        widen(pool + rows[j] * 2 * half_bytes + half_bytes + skip, pool_bf16, half_values, tile + filled * half_values);
+        const char *values = pool + rows[j] * 2 * half_bytes + half_bytes + skip;
+        widen(values, pool_bf16, half_values, tile + filled * half_values);
         for (int64_t i = 0; i < heads; i++) weights[filled][i] = scores[i * length + j];
         if (++filled == TILE_ROWS) {
             accumulate_tile(acc, weights, tile, half_values, filled, heads, group, phase, dim);

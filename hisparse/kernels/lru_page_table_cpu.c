@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_buffer.h"
+
 #define PREFETCH_AHEAD 8  // rows
 
 // A layer's tables and pools, bound once (lru_page_table_cpu.LruTables mirrors it).
@@ -21,20 +23,10 @@ typedef struct {
     int64_t *totals;            // [3]: hits, misses, evictions, added to
 } Tables;
 
-// Each thread's scratch, kept between calls (OpenMP's threads live on) and grown as needed: a sparse set over the
-// context (never cleared: see `held`) and a request's plan lists.
-static __thread int32_t *thread_scratch;
-static __thread int64_t thread_scratch_size;
-
-static int32_t *scratch_of(int64_t size) {
-    if (size > thread_scratch_size) {
-        int32_t *grown = realloc(thread_scratch, sizeof(int32_t) * (size_t)size);
-        if (!grown) return NULL;
-        thread_scratch = grown;
-        thread_scratch_size = size;
-    }
-    return thread_scratch;
-}
+// Each thread's scratch (`thread_buffer`): a sparse set over the context (never cleared: see `held`) and a
+// request's plan lists.
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
 
 // The error codes of kernels/swap_in.py.
 enum { TOO_MANY_SELECTED = 1, POSITION_OUT_OF_RANGE = 2, ROW_OUT_OF_RANGE = 3, ROW_TWICE = 4 };
@@ -134,8 +126,8 @@ static void copy_rows(const Tables *t, const int64_t *src, const int64_t *dst, i
 
 // The page table [batch, width] of the selected positions top_k [batch, width] (-1 padding stays -1; newest[b]
 // reads row reserved[b]), the missed rows copied host -> device, the tables updated and the batch's (hits,
-// misses, evictions) added to t->totals. `parallel`: requests and copies over t->threads threads (the plan's
-// threads are awake for the copy). Returns 0; an error code of kernels/swap_in.py (detail in *detail, nothing
+// misses, evictions) added to t->totals. `parallel`: requests and copies on the OpenMP team (the plan's threads
+// are awake for the copy). Returns 0; an error code of kernels/swap_in.py (detail in *detail, nothing
 // changed); -1 without memory.
 int lru_page_table(const Tables *t, const int64_t *top_k, int64_t batch, int64_t width, const int64_t *rows,
                    const int64_t *newest, const int64_t *reserved, int64_t *page_table, int parallel,
@@ -149,7 +141,8 @@ int lru_page_table(const Tables *t, const int64_t *top_k, int64_t batch, int64_t
     int no_memory = 0;  // a thread without scratch: found before any table changes
     #pragma omp parallel if (parallel) shared(no_memory)
     {
-        int32_t *lookup = scratch_of(t->context + 3 * S + width);
+        size_t bytes = sizeof(int32_t) * (size_t)(t->context + 3 * S + width);
+        int32_t *lookup = thread_buffer(&scratch, &scratch_bytes, bytes);
         if (!lookup) {
             #pragma omp atomic write
             no_memory = 1;

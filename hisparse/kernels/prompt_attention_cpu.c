@@ -16,6 +16,7 @@
 
 #include "bfloat16.h"
 #include "exp_nonpositive.h"
+#include "thread_buffer.h"
 
 #define D 64     // head dim
 #define KB 256   // keys whose scores are softmaxed together
@@ -151,16 +152,11 @@ int prompt_attention(const uint16_t *q, const uint16_t *pool, int64_t pool_rows,
         if (slots[j] < 0 || slots[j] >= pool_rows) return 1;
     int64_t heads = kv_heads * group, padded = (S + 31) / 32 * 32 + 32;  // whole 32-key blocks, and one more
     size_t per_head = (size_t)padded * D, bytes = 2 * kv_heads * per_head * sizeof(uint16_t);
-    // The packed K and V, kept by the calling thread between calls: a fresh megabyte a call cost its page faults.
-    static __thread uint16_t *kept = NULL;
-    static __thread size_t kept_bytes = 0;
-    if (bytes > kept_bytes) {
-        free(kept);
-        kept = malloc(bytes);
-        kept_bytes = kept ? bytes : 0;
-        if (!kept) return -1;
-    }
-    uint16_t *kt = kept, *vv = kt + kv_heads * per_head;
+    static __thread void *packed;  // the calling thread's (`thread_buffer`): a megabyte at 1.5k keys
+    static __thread size_t packed_bytes;
+    uint16_t *kt = thread_buffer(&packed, &packed_bytes, bytes);
+    if (!kt) return -1;
+    uint16_t *vv = kt + kv_heads * per_head;
     for (int64_t g = 0; g < kv_heads; g++) {  // the keys past S are zeros: scores of 0, masked, and no V
         memset(kt + g * per_head + (S / 16) * 16 * D, 0, (per_head - (S / 16) * 16 * D) * sizeof(uint16_t));
         memset(vv + g * per_head + (S / 2) * 2 * D, 0, (per_head - (S / 2) * 2 * D) * sizeof(uint16_t));

@@ -53,7 +53,6 @@ from numba import njit, prange
 
 from hisparse.formats.kernel_policy import KernelPolicy
 from hisparse.kernels import lru_page_table_cpu
-from hisparse.kernels.lru_page_table_cpu import LruPageTable
 from hisparse.kernels.numba_threads import on_torch_team
 from hisparse.kernels.prefetch import line_step, prefetch_row_to_l2, prefetch_to_l2
 from hisparse.kernels.streaming_store import copy_row_past_caches, rows_can_stream, store_fence
@@ -147,14 +146,14 @@ class BoundCpuSwapIn:
                             torch.from_numpy(hits))
 
     @functools.cached_property
-    def lru_page_table(self) -> LruPageTable | None:
+    def lru_page_table(self) -> lru_page_table_cpu.LruPageTable | None:
         """lru's page table, the CPU's default, in C where it is built (`lru_page_table_cpu`: this plan's fixed
         costs dominate a decode step's call); None (the numba plan) for other policies or where it is not. Bound
         on first use: a plain `swap_in_cpu` call never asks for it."""
         tensors = self._tensors
         if self.code != _LRU or not all(t.is_contiguous() for t in tensors) or not lru_page_table_cpu.available():
             return None
-        return LruPageTable(*tensors, torch.from_numpy(self.totals))
+        return lru_page_table_cpu.LruPageTable(*tensors, torch.from_numpy(self.totals))
 
     def page_table(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
                    next_ranked: torch.Tensor | None = None) -> torch.Tensor:
