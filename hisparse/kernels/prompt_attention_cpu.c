@@ -2,9 +2,11 @@
 // loaded by prompt_attention_cpu.py, which says what it computes and why it is shaped so.
 //
 // Per (query head, 16 queries): QK^T of 32 keys at a time in two C tiles (Q as two A tiles, dims 0-31 and 32-63;
-// K packed per KV head as [16-key block][dim pair][16 keys][2]), the scores of up to KB keys stored, scaled,
-// masked and softmaxed online in AVX-512 (the decode kernel's polynomial exponential), P in bfloat16 as A tiles
-// of 32 keys, V packed as [key pair][dim][2], the outputs accumulated in four C tiles of 16 dims.
+// K packed per KV head as [16-key block][dim pair][16 keys][2]), the scores of up to KB keys stored, then
+// softmaxed online in AVX-512: a pass for each row's maximum, the 16 rows' rescale factors in one vector, a pass
+// for P = 2^(score x scale log2 e - top) (masked to each row's keys), P in bfloat16 as A tiles of 32 keys, V
+// packed as [key pair][dim][2], the outputs accumulated in four C tiles of 16 dims. Per block of KB keys the work
+// outside the passes is fixed, so KB is as large as keeps s and p in the L1 and L2 caches.
 
 #include <immintrin.h>
 #include <math.h>
@@ -19,7 +21,7 @@
 #include "thread_buffer.h"
 
 #define D 64     // head dim
-#define KB 256   // keys whose scores are softmaxed together
+#define KB 512   // keys whose scores are softmaxed together
 #define ROWS 16  // queries a work item
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -46,6 +48,25 @@ static void configure_tiles(void) {  // eight tiles of 16 rows x 64 bytes
     _tile_loadconfig(&c);
 }
 
+// The first `open` of 16 lanes (none when open <= 0, all from 16).
+static inline __mmask16 first_lanes(int64_t open) {
+    return open >= 16 ? 0xFFFF : open > 0 ? (__mmask16)((1u << open) - 1) : 0;
+}
+
+// 2^y for y <= 0, accurate to 4.2e-5 (P is rounded to bfloat16's 8 bits; exp_nonpositive16 keeps float32's 24
+// at three more instructions a vector): 2^n 2^f, f in [-1/2, 1/2], 2^f the degree-4 Taylor polynomial of
+// e^(f ln 2); below -160 (-inf included) exactly 0.
+static inline __m512 exp2_nonpositive16(__m512 y) {
+    y = _mm512_max_ps(y, _mm512_set1_ps(-160.0f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(9.618129107628477e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 // One work item: query head h's queries [i0, i0 + 16) (rows past T computed on zeros and dropped).
 static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *vv, int64_t T, int64_t S,
                          int64_t heads, int64_t h, int64_t i0, float scale, uint16_t *out) {
@@ -53,7 +74,7 @@ static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *
     uint16_t p[ROWS * KB] __attribute__((aligned(64)));
     float o[ROWS * D] __attribute__((aligned(64)));
     uint16_t queries[ROWS * D] __attribute__((aligned(64)));
-    float top[ROWS], total[ROWS];
+    float top[ROWS] __attribute__((aligned(64))), total[ROWS] __attribute__((aligned(64)));
     int64_t rows = T - i0 < ROWS ? T - i0 : ROWS;
     memset(queries, 0, sizeof queries);
     for (int64_t r = 0; r < rows; r++) memcpy(queries + r * D, q + ((i0 + r) * heads + h) * D, D * 2);
@@ -63,7 +84,7 @@ static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *
     }
     int64_t offset = S - T;  // query i sits at position offset + i and sees keys 0 .. offset + i
     int64_t last = offset + i0 + rows - 1;
-    const __m512 scaled = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 to_log2 = _mm512_set1_ps(scale * LOG2_E), minus_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 <= last; j0 += KB) {
         int64_t width = 0;
         _tile_loadd(0, queries, D * 2);
@@ -83,31 +104,45 @@ static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *
             _tile_dpbf16ps(3, 1, 5);
             _tile_stored(3, s + (jb - j0) + 16, KB * 4);
         }
+        // each row sees the block's keys [0, open): open = its position - j0 + 1 (rows past T repeat the last)
+        float block_top[ROWS] __attribute__((aligned(64))), block_sum[ROWS] __attribute__((aligned(64)));
+        float alpha[ROWS] __attribute__((aligned(64)));
         for (int r = 0; r < ROWS; r++) {
-            int64_t position = offset + i0 + (r < rows ? r : rows - 1);
-            __m512 best = minus_inf;
-            for (int64_t c = 0; c < width; c += 16) {
-                int64_t allowed = position - (j0 + c) + 1;
-                __mmask16 mask = allowed >= 16 ? 0xFFFF : (allowed > 0 ? (__mmask16)((1u << allowed) - 1) : 0);
-                __m512 x = _mm512_mask_mul_ps(minus_inf, mask, _mm512_load_ps(s + r * KB + c), scaled);
-                _mm512_store_ps(s + r * KB + c, x);
-                best = _mm512_max_ps(best, x);
-            }
-            float new_top = fmaxf(top[r], _mm512_reduce_max_ps(best));
-            float alpha = top[r] == -INFINITY ? 0.0f : exp_nonpositive(top[r] - new_top);
-            __m512 shift = _mm512_set1_ps(new_top), sum = _mm512_setzero_ps();
+            const float *row = s + r * KB;
+            int64_t open = offset + i0 + (r < rows ? r : rows - 1) - j0 + 1;
+            __m512 best0 = minus_inf, best1 = minus_inf;  // two chains of maxima
             for (int64_t c = 0; c < width; c += 32) {
-                __m512 a = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + r * KB + c), shift));
-                __m512 b = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(s + r * KB + c + 16), shift));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+                best0 = _mm512_mask_max_ps(best0, first_lanes(open - c), best0, _mm512_load_ps(row + c));
+                best1 = _mm512_mask_max_ps(best1, first_lanes(open - c - 16), best1, _mm512_load_ps(row + c + 16));
+            }
+            block_top[r] = _mm512_reduce_max_ps(_mm512_max_ps(best0, best1)) * scale;
+        }
+        __m512 old_top = _mm512_load_ps(top), new_top = _mm512_max_ps(old_top, _mm512_load_ps(block_top));
+        _mm512_store_ps(alpha, exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(old_top, new_top),
+                                                                _mm512_set1_ps(LOG2_E))));  // 0 at first
+        _mm512_store_ps(top, new_top);
+        for (int r = 0; r < ROWS; r++) {
+            const float *row = s + r * KB;
+            int64_t open = offset + i0 + (r < rows ? r : rows - 1) - j0 + 1;
+            __m512 shift = _mm512_set1_ps(top[r] * LOG2_E), sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+            for (int64_t c = 0; c < width; c += 32) {
+                __m512 a = _mm512_maskz_mov_ps(first_lanes(open - c), exp2_nonpositive16(
+                    _mm512_fmsub_ps(_mm512_load_ps(row + c), to_log2, shift)));
+                __m512 b = _mm512_maskz_mov_ps(first_lanes(open - c - 16), exp2_nonpositive16(
+                    _mm512_fmsub_ps(_mm512_load_ps(row + c + 16), to_log2, shift)));
+                sum0 = _mm512_add_ps(sum0, a);
+                sum1 = _mm512_add_ps(sum1, b);
                 _mm512_store_si512((__m512i *)(p + r * KB + c), (__m512i)_mm512_cvtne2ps_pbh(b, a));
             }
-            total[r] = total[r] * alpha + _mm512_reduce_add_ps(sum);
-            top[r] = new_top;
-            if (j0 > 0)
+            block_sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+            if (j0 > 0) {
+                __m512 by = _mm512_set1_ps(alpha[r]);
                 for (int d = 0; d < D; d += 16)
-                    _mm512_store_ps(o + r * D + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), _mm512_set1_ps(alpha)));
+                    _mm512_store_ps(o + r * D + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), by));
+            }
         }
+        _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(alpha),
+                                               _mm512_load_ps(block_sum)));
         if (j0 == 0) {
             _tile_zero(4);
             _tile_zero(5);
