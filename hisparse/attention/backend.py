@@ -21,6 +21,9 @@ class AttentionBackend(Protocol):
     # decode context longer than top_k). When False a model passes index_k alone (later steps read the keys)
     # and skips the rest of its indexer.
     reads_index_queries: bool
+    # The rows whose indexer queries and head weights it reads, when it reads any: None for every row, or (a step
+    # of dense prompt chunks and decodes) the decode rows alone; index_q and index_w then hold these rows only.
+    index_query_rows: torch.Tensor | None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,

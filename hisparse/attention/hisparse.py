@@ -15,7 +15,7 @@ from hisparse.attention.functional import attend_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
-from hisparse.attention.step_selection import StepSelection, reads_index_queries, rows_of
+from hisparse.attention.step_selection import StepSelection, index_query_rows, reads_index_queries, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -79,10 +79,12 @@ class HiSparseAttention:
             torch.arange(s.start, s.end, device=cache.device) if selects else None) for s in batch.prefill_spans]
         width = max((s.end for s in self.decode), default=0)
         self.reads_index_queries = reads_index_queries(cache.sparse, bool(self.prefill), width)
+        self.index_query_rows = None
         if not self.decode:
             return
         self.step = cache.begin_decode([s.request.kv for s in self.decode], [s.start for s in self.decode])
         self.decode_offsets = torch.tensor([s.offset for s in self.decode], device=cache.device)
+        self.index_query_rows = index_query_rows(cache.sparse, bool(self.prefill), self.decode_offsets)
         self.lengths = self.step.lengths
         # Built on the host and copied every step (batch x context int64): a device-side table of each row's
         # indexer slots, beside `host_rows`, would save the copy.
@@ -107,7 +109,9 @@ class HiSparseAttention:
                              self.selection)
         if self.decode:
             at = self.decode_offsets
-            out[at] = self._decode(layer, q[at], k[at], rows_of(v, at), rows_of(index_q, at), rows_of(index_w, at))
+            if self.index_query_rows is None:  # else index_q and index_w hold the decode rows alone
+                index_q, index_w = rows_of(index_q, at), rows_of(index_w, at)
+            out[at] = self._decode(layer, q[at], k[at], rows_of(v, at), index_q, index_w)
         return out
 
     def _decode(self, layer, q, k, v, index_q, index_w):

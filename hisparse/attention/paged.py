@@ -22,7 +22,7 @@ from hisparse.attention.functional import attend_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
-from hisparse.attention.step_selection import StepSelection, reads_index_queries, rows_of
+from hisparse.attention.step_selection import StepSelection, index_query_rows, reads_index_queries, rows_of
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
@@ -133,12 +133,15 @@ class PagedAttention:
         width = max((s.end for s in self.decode), default=0)
         self.reads_index_queries = self.selection is not None and reads_index_queries(cache.sparse, bool(self.prefill),
                                                                                       width)
+        self.index_query_rows = None
         if self.decode:
             on_device = {"device": cache.device}
             self.decode_lengths = torch.tensor([s.end for s in self.decode], **on_device)
             self.decode_rows = torch.stack([  # -1: past a request's length
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
             self.decode_offsets = torch.tensor([s.offset for s in self.decode], **on_device)
+            if cache.sparse is not None:
+                self.index_query_rows = index_query_rows(cache.sparse, bool(self.prefill), self.decode_offsets)
             if cache.index_cache is not None:
                 self.decode_index_slots = torch.stack([
                     F.pad(s.request.kv.index_slots[:s.end], (0, width - s.end)) for s in self.decode])
@@ -169,7 +172,9 @@ class PagedAttention:
                              self.selection)
         if self.decode:
             at = self.decode_offsets
-            out[at] = self._decode(layer, pool, q[at], rows_of(index_q, at), rows_of(index_w, at))
+            if self.index_query_rows is None:  # else index_q and index_w hold the decode rows alone
+                index_q, index_w = rows_of(index_q, at), rows_of(index_w, at)
+            out[at] = self._decode(layer, pool, q[at], index_q, index_w)
         return out
 
     def _decode(self, layer, pool, q, index_q, index_w):

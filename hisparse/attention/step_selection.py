@@ -25,6 +25,14 @@ def reads_index_queries(sparse: SparseAttention, selecting_prefill: bool, decode
     return (selecting_prefill and sparse.sparse_prefill) or decode_width > sparse.top_k
 
 
+def index_query_rows(sparse: SparseAttention, prefill: bool,
+                     decode_offsets: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows whose indexer queries a step reads (`AttentionBackend.index_query_rows`): where its prompt chunks
+    attend densely beside decodes, the decode rows alone (a 512-token chunk's queries would take 260 of the
+    projection's 324 columns for nothing); else every row (None)."""
+    return decode_offsets if prefill and decode_offsets is not None and not sparse.sparse_prefill else None
+
+
 class StepSelection:
     def __init__(self, sparse: SparseAttention, selector: IndexSelector) -> None:
         self.sparse = sparse

@@ -101,9 +101,14 @@ class LlamaIndexer(LightningIndexer):
 
     def from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation):
         """`forward`'s q, k, w from x @ projection_weight().T [N, H * d + d + H] (any float dtype)."""
+        q, w = self.queries_from_projection(projected, rotation)
+        return q, self.key_from_projection(projected, rotation), w
+
+    def queries_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation):
+        """`from_projection`'s q and w alone, for rows whose keys come from the key's rows (`key_from_projection`)."""
         n, heads, dim = projected.shape[0], self.n_heads, self.head_dim
         q, w = projected[:, :heads * dim].float(), projected[:, heads * dim + dim:]
-        return rotation(q.view(n, heads, dim)), self.key_from_projection(projected, rotation), self.finish_weights(w)
+        return rotation(q.view(n, heads, dim)), self.finish_weights(w)
 
     def key_from_projection(self, projected: torch.Tensor, rotation: HalfSplitRotation,
                             start: int | None = None) -> torch.Tensor:

@@ -71,10 +71,6 @@ class InferenceWeight:
             start += width
         return fused
 
-    def quantized_for(self, batch: int) -> bool:
-        """Whether a batch of this many rows multiplies by the quantized weights (not the dense copy)."""
-        return batch < self.dense_from
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         if batch < self.dense_from:

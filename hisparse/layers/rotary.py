@@ -122,6 +122,15 @@ class HalfSplitRotation:
             object.__setattr__(self, "_tables", tables)  # a frozen dataclass: a cache, not a field
         return tables
 
+    def rows(self, rows: torch.Tensor) -> HalfSplitRotation:
+        """The rotation of these rows of the batch alone; built once for the same `rows` tensor (every layer of a
+        step asks with the backend's)."""
+        cached = self.__dict__.get("_rows")
+        if cached is None or cached[0] is not rows:
+            cached = (rows, HalfSplitRotation(self.cos[rows], self.sin[rows], self.half))
+            object.__setattr__(self, "_rows", cached)  # a cache, as `_tables`
+        return cached[1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H, head_dim] -> rotated, the same shape and dtype."""
         if rotary_cpu.takes(x, self.cos) and not autograd_records(x) and rotary_cpu.available():

@@ -69,12 +69,13 @@ class LlamaAttention(nn.Module):
         self.o: InferenceWeight | None = None
         self.indexer: nn.Module | None = None  # a lightning indexer, when the model is made sparse
         self.index_proj: InferenceWeight | None = None  # its projections, fused (see prepare_for_inference)
-        self.index_key_proj: InferenceWeight | None = None  # the key's rows alone, in int8
+        self.index_key_proj: InferenceWeight | None = None  # the key's rows alone
         self._prepared_indexer: nn.Module | None = None
 
     def prepare_for_inference(self, quantization: str = "none") -> None:
         """The indexer's projections are fused in the model's dtype, and quantized to int8 at most: they decide
-        what attention reads. They are a copy: prepare again after changing or replacing the indexer."""
+        what attention reads; the key's rows alone besides, for steps that read no queries (a dense prompt chunk
+        needs 64 of the 324 columns). They are a copy: prepare again after changing or replacing the indexer."""
         self.qkv = InferenceWeight.fused(self.q_proj, self.k_proj, self.v_proj, quantization=quantization)
         self.o = InferenceWeight.fused(self.o_proj, quantization=quantization)
         self._prepared_indexer = self.indexer
@@ -83,10 +84,9 @@ class LlamaAttention(nn.Module):
             weight = self.indexer.projection_weight().to(self.q_proj.weight.dtype)
             kind = "int8" if quantization == "int4" else quantization
             self.index_proj = InferenceWeight(weight, kind, dense_from=SMALL_WEIGHT_DENSE_FROM)
-            if kind == "int8":  # one scale per output row: the key's rows alone give the full product's key bits
-                start = self.indexer.n_heads * self.indexer.head_dim
-                self.index_key_proj = InferenceWeight(weight[start:start + self.indexer.head_dim], kind,
-                                                      dense_from=SMALL_WEIGHT_DENSE_FROM)
+            start = self.indexer.n_heads * self.indexer.head_dim  # int8: one scale per row, the same key bits
+            self.index_key_proj = InferenceWeight(weight[start:start + self.indexer.head_dim], kind,
+                                                  dense_from=SMALL_WEIGHT_DENSE_FROM)
 
     def forward(self, x: torch.Tensor, rope: HalfSplitRotation, index_rope: HalfSplitRotation | None,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -99,22 +99,28 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        index = {} if self.indexer is None else self._indexer_inputs(x, index_rope, backend.reads_index_queries)
+        index = {} if self.indexer is None else self._indexer_inputs(x, index_rope, backend)
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
         return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
 
-    def _indexer_inputs(self, x: torch.Tensor, rope: HalfSplitRotation, reads_queries: bool) -> dict:
+    def _indexer_inputs(self, x: torch.Tensor, rope: HalfSplitRotation, backend: AttentionBackend) -> dict:
         """The indexer's part of this step's attention: its keys always (later steps score them), its queries and
-        head weights when the attention reads them. A step that reads none multiplies by the key's int8 rows alone
-        where they are prepared (`prepare_for_inference`)."""
+        head weights where the attention reads them (`AttentionBackend.index_query_rows`). Where it reads none, or
+        those of some rows, every key comes from the key's rows alone (`prepare_for_inference`)."""
         prepared = self.indexer is self._prepared_indexer
-        if (not reads_queries and prepared and self.index_key_proj is not None
-                and self.index_key_proj.quantized_for(x.shape[0])):
-            return {"index_k": self.indexer.key_from_projection(self.index_key_proj(x), rope, start=0)}
+        reads_queries, rows = backend.reads_index_queries, backend.index_query_rows
+        if (not reads_queries or rows is not None) and prepared and self.index_key_proj is not None:
+            index = {"index_k": self.indexer.key_from_projection(self.index_key_proj(x), rope, start=0)}
+            if reads_queries:
+                index_q, index_w = self.indexer.queries_from_projection(self.index_proj(x[rows]), rope.rows(rows))
+                index.update(index_q=index_q, index_w=index_w)
+            return index
         projected = self.index_proj(x) if prepared else F.linear(x.float(), self.indexer.projection_weight())
         if not reads_queries:
             return {"index_k": self.indexer.key_from_projection(projected, rope)}
         index_q, index_k, index_w = self.indexer.from_projection(projected, rope)
+        if rows is not None:
+            index_q, index_w = index_q[rows], index_w[rows]
         return {"index_q": index_q, "index_k": index_k, "index_w": index_w}
 
 
