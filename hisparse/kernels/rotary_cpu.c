@@ -8,9 +8,45 @@
 #include "bfloat16.h"
 
 #pragma GCC optimize("fp-contract=off")  // each product rounded before the sum
+#pragma GCC target("prefer-vector-width=512")
 
-static inline int64_t partner(int64_t i, int64_t half) {  // the dim a dim is rotated with (itself past 2 half)
-    return i < half ? i + half : (i < 2 * half ? i - half : i);
+// o[i] = in[i] c[i] + in[i + shift] s[i] for i in [lo, hi), each product and the sum rounded to bfloat16
+static inline void rotate_bf16(const uint16_t *in, const uint16_t *c, const uint16_t *s, uint16_t *o, int64_t lo,
+                               int64_t hi, int64_t shift) {
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) {
+        float straight = round_bf16(bf16_to_float(in[i]) * bf16_to_float(c[i]));
+        float swapped = round_bf16(bf16_to_float(in[i + shift]) * bf16_to_float(s[i]));
+        o[i] = float_to_bf16(straight + swapped);
+    }
+}
+
+static inline void rotate_float(const float *in, const float *c, const float *s, float *o, int64_t lo, int64_t hi,
+                                int64_t shift) {
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) o[i] = in[i] * c[i] + in[i + shift] * s[i];
+}
+
+// One head: the swap pairs dim i with i + half in the first half, i - half in the second, itself past them (three
+// loops without a branch; inlined with the common dims as constants, they unroll into whole vectors).
+static inline __attribute__((always_inline)) void rotate_head(const void *x, const void *cos, const void *sin,
+                                                              void *out, int64_t in_at, int64_t out_at, int64_t r,
+                                                              int64_t dim, int64_t half, int bf16) {
+    if (bf16) {
+        const uint16_t *in = (const uint16_t *)x + in_at;
+        const uint16_t *c = (const uint16_t *)cos + r * dim, *s = (const uint16_t *)sin + r * dim;
+        uint16_t *o = (uint16_t *)out + out_at;
+        rotate_bf16(in, c, s, o, 0, half, half);
+        rotate_bf16(in, c, s, o, half, 2 * half, -half);
+        rotate_bf16(in, c, s, o, 2 * half, dim, 0);
+    } else {
+        const float *in = (const float *)x + in_at;
+        const float *c = (const float *)cos + r * dim, *s = (const float *)sin + r * dim;
+        float *o = (float *)out + out_at;
+        rotate_float(in, c, s, o, 0, half, half);
+        rotate_float(in, c, s, o, half, 2 * half, -half);
+        rotate_float(in, c, s, o, 2 * half, dim, 0);
+    }
 }
 
 // out [rows, heads, dim] = x * cos + swap(x) * sin, x's rows `stride` values apart (each row's heads contiguous),
@@ -18,24 +54,10 @@ static inline int64_t partner(int64_t i, int64_t half) {  // the dim a dim is ro
 void rotate_half_split(const void *x, int64_t stride, int64_t rows, int64_t heads, int64_t dim, const void *cos,
                        const void *sin, int64_t half, void *out, int bf16) {
     #pragma omp parallel for if (rows >= 64) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < heads; h++) {
             int64_t in_at = r * stride + h * dim, out_at = (r * heads + h) * dim;
-            if (bf16) {
-                const uint16_t *in = (const uint16_t *)x + in_at;
-                const uint16_t *c = (const uint16_t *)cos + r * dim, *s = (const uint16_t *)sin + r * dim;
-                uint16_t *o = (uint16_t *)out + out_at;
-                for (int64_t i = 0; i < dim; i++) {
-                    float straight = round_bf16(bf16_to_float(in[i]) * bf16_to_float(c[i]));
-                    float swapped = round_bf16(bf16_to_float(in[partner(i, half)]) * bf16_to_float(s[i]));
-                    o[i] = float_to_bf16(straight + swapped);
-                }
-            } else {
-                const float *in = (const float *)x + in_at;
-                const float *c = (const float *)cos + r * dim, *s = (const float *)sin + r * dim;
-                float *o = (float *)out + out_at;
-                for (int64_t i = 0; i < dim; i++) o[i] = in[i] * c[i] + in[partner(i, half)] * s[i];
-            }
+            if (dim == 64 && half == 32 && bf16) rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, 1);
+            else rotate_head(x, cos, sin, out, in_at, out_at, r, dim, half, bf16);
         }
-    }
 }
