@@ -153,6 +153,36 @@ def test_indexer_queries_skipped_until_a_context_outgrows_top_k(llama, tokenizer
     assert computed == layers * (skipping.num_tokens - 1 - 32)  # the decode steps over more than 32 positions
 
 
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_decodes_beside_prompt_chunks_read_their_own_index_queries(hisparse, llama, tokenizer, monkeypatch):
+    """A step of dense prompt chunks and decodes projects the indexer's queries of its decode rows alone
+    (`AttentionBackend.index_query_rows`): a request decoding past top_k beside another's prompt chunks picks the
+    tokens it picks alone, and the chunks' rows read none."""
+    from hisparse.attention import hisparse as hisparse_backend
+    from hisparse.attention import paged
+    from hisparse.data.pydoc_corpus import heldout_tokens
+
+    config = {"top_k": 16}
+    if hisparse:
+        config |= {"enable_hisparse": True, "hisparse_config": {"top_k": 16, "device_buffer_size": 24}}
+    text = heldout_tokens(tokenizer, 400)
+    prompt, other = text[:40], text[100:400]
+    alone = generate(make_engine(llama, tokenizer, **config), prompt, 24).output_token_ids
+    module = hisparse_backend if hisparse else paged
+    rows = []
+    original = module.index_query_rows
+    monkeypatch.setattr(module, "index_query_rows", lambda *a: rows.append(original(*a)) or rows[-1])
+    engine = make_engine(llama, tokenizer, chunked_prefill_size=64, **config)
+    first = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    engine.step()  # its prompt alone
+    engine.add_request(other, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while not first.finished:
+        engine.step()
+    mixed = [r for r in rows if r is not None]
+    assert len(mixed) >= 4 and all(len(r) == 1 for r in mixed)  # the one decode row of each step with a chunk
+    assert first.output_token_ids == alone
+
+
 def test_engine_records_topk_traces(llama, tokenizer, tmp_path):
     from hisparse.data.pydoc_corpus import heldout_tokens
 
