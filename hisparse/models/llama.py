@@ -22,6 +22,8 @@ from torch import nn
 from hisparse.attention.backend import AttentionBackend
 from hisparse.distributed.tensor_parallel import TensorParallel
 from hisparse.formats.sparse_attention import IndexerSpec
+from hisparse.kernels import swiglu_cpu
+from hisparse.kernels.c_library import autograd_records
 from hisparse.layers.linear import SMALL_WEIGHT_DENSE_FROM, InferenceWeight
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
@@ -141,7 +143,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if swiglu_cpu.takes(gate_up) and not autograd_records(gate_up) and swiglu_cpu.available():
+            return self.tp.all_reduce(self.down(swiglu_cpu.swiglu(gate_up)))  # one pass (`kernels.swiglu_cpu`)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.tp.all_reduce(self.down(F.silu(gate) * up))
 
 

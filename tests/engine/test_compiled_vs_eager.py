@@ -30,10 +30,11 @@ from hisparse.kernels import (
     lru_page_table_cpu,
     rms_norm_cpu,
     rotary_cpu,
+    swiglu_cpu,
 )
 
 DECODE_KERNELS = (decode_attention_cpu, index_keys_cpu, index_scores_cpu, indexer_key_cpu, kv_rows_cpu,
-                  lru_page_table_cpu, rms_norm_cpu, rotary_cpu)
+                  lru_page_table_cpu, rms_norm_cpu, rotary_cpu, swiglu_cpu)
 TOKENS = 40
 NEAR_TIE = 0.25  # logits; two bfloat16 steps at the default model's top logits (8 to 32)
 NOISE = 1.5  # largest |logit difference| allowed while the runs agree (measured up to 0.8)
