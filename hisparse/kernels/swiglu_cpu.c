@@ -10,6 +10,7 @@
 
 #include "avx512.h"
 #include "bfloat16.h"
+#include "exp_nonpositive.h"
 
 #if defined(AVX512_PATHS) && defined(__AVX512BF16__)
 #define BF16_PATHS 1
@@ -24,16 +25,9 @@ static inline __m512 round16(__m512 x) {  // to bfloat16 and back
 // e^x for x in float32's range (clamped to [-104, 89]: 0 below, inf above as expf gives), to 1.2e-7
 static inline __m512 exp16(__m512 x) {
     __m512 y = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f)),
-                             _mm512_set1_ps(1.4426950408889634f));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+                             _mm512_set1_ps(LOG2_E));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp2_fraction16(_mm512_sub_ps(y, n)), n);
 }
 #endif
 
