@@ -140,8 +140,7 @@ class PagedAttention:
             self.decode_rows = torch.stack([  # -1: past a request's length
                 F.pad(s.request.kv.slots[:s.end], (0, width - s.end), value=-1) for s in self.decode])
             self.decode_offsets = torch.tensor([s.offset for s in self.decode], **on_device)
-            if cache.sparse is not None:
-                self.index_query_rows = index_query_rows(cache.sparse, bool(self.prefill), self.decode_offsets)
+            self.index_query_rows = index_query_rows(cache.sparse, bool(self.prefill), self.decode_offsets)
             if cache.index_cache is not None:
                 self.decode_index_slots = torch.stack([
                     F.pad(s.request.kv.index_slots[:s.end], (0, width - s.end)) for s in self.decode])

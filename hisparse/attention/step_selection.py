@@ -25,12 +25,12 @@ def reads_index_queries(sparse: SparseAttention, selecting_prefill: bool, decode
     return (selecting_prefill and sparse.sparse_prefill) or decode_width > sparse.top_k
 
 
-def index_query_rows(sparse: SparseAttention, prefill: bool,
-                     decode_offsets: torch.Tensor | None) -> torch.Tensor | None:
-    """The rows whose indexer queries a step reads (`AttentionBackend.index_query_rows`): where its prompt chunks
-    attend densely beside decodes, the decode rows alone (a 512-token chunk's queries would take 260 of the
-    projection's 324 columns for nothing); else every row (None)."""
-    return decode_offsets if prefill and decode_offsets is not None and not sparse.sparse_prefill else None
+def index_query_rows(sparse: SparseAttention | None, prefill: bool,
+                     decode_offsets: torch.Tensor) -> torch.Tensor | None:
+    """The rows whose indexer queries a step with decodes reads (`AttentionBackend.index_query_rows`): where its
+    prompt chunks attend densely beside them, the decode rows alone (a 512-token chunk's queries would take 260 of
+    the projection's 324 columns for nothing); else every row (None), as without sparse attention."""
+    return decode_offsets if prefill and sparse is not None and not sparse.sparse_prefill else None
 
 
 class StepSelection:

@@ -53,19 +53,9 @@ static inline __mmask16 first_lanes(int64_t open) {
     return open >= 16 ? 0xFFFF : open > 0 ? (__mmask16)((1u << open) - 1) : 0;
 }
 
-// 2^y for y <= 0, accurate to 4.2e-5 (P is rounded to bfloat16's 8 bits; exp_nonpositive16 keeps float32's 24
-// at three more instructions a vector): 2^n 2^f, f in [-1/2, 1/2], 2^f the degree-4 Taylor polynomial of
-// e^(f ln 2); below -160 (-inf included) exactly 0.
-static inline __m512 exp2_nonpositive16(__m512 y) {
-    y = _mm512_max_ps(y, _mm512_set1_ps(-160.0f));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(9.618129107628477e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+// 2^y for y <= 0 to 4.2e-5 (P is rounded to bfloat16's 8 bits; the degree-6 polynomial costs two more FMAs a
+// vector); -inf, clamped at -160, exactly 0.
+static inline __m512 exp2_nonpositive16(__m512 y) { return exp2_16(_mm512_max_ps(y, _mm512_set1_ps(-160.0f)), 4); }
 
 // One work item: query head h's queries [i0, i0 + 16) (rows past T computed on zeros and dropped).
 static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *vv, int64_t T, int64_t S,

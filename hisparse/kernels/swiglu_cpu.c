@@ -1,8 +1,8 @@
 // SwiGLU of bfloat16 rows, silu(gate) * up, in one pass instead of PyTorch's silu and product. Built and loaded by
 // swiglu_cpu.py, which says what is rounded where.
 //
-// With AVX-512 (and its bfloat16 conversions), 16 values at a time: e^-g as 2^n 2^f (f in [-1/2, 1/2], the
-// degree-6 polynomial of exp_nonpositive.h, scaled by vscalefps), the quotient g / (1 + e^-g) a division, the
+// With AVX-512 (and its bfloat16 conversions), 16 values at a time: e^-g by exp_nonpositive.h's `exp2_16` (its
+// degree-6 polynomial), the quotient g / (1 + e^-g) a division, the
 // roundings vcvtneps2bf16's (nearest even, as PyTorch's); otherwise plain loops with libm's expf.
 
 #include <math.h>
@@ -24,10 +24,8 @@ static inline __m512 round16(__m512 x) {  // to bfloat16 and back
 
 // e^x for x in float32's range (clamped to [-104, 89]: 0 below, inf above as expf gives), to 1.2e-7
 static inline __m512 exp16(__m512 x) {
-    __m512 y = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f)),
-                             _mm512_set1_ps(LOG2_E));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp2_fraction16(_mm512_sub_ps(y, n)), n);
+    __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    return exp2_16(_mm512_mul_ps(clamped, _mm512_set1_ps(LOG2_E)), 6);
 }
 #endif
 
