@@ -11,45 +11,13 @@
 // where offset = -128 scale sum_i q (the weights are exact; only the products see x's rounding).
 
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "bfloat16.h"
+#include "rounded_x.h"
 
-#define BLOCK 32
 #define MAX_BATCH 4
 #define PREFETCH_BYTES 2048  // how far ahead of each row's next blocks their bytes are asked for
-
-// x rounded per block: qx + 128 as bytes [B, K] and each block's scale dx [B, G].
-typedef struct {
-    uint8_t *bytes;
-    float *dx;
-} RoundedX;
-
-static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, RoundedX *r) {
-    size_t n = (size_t)(batch * blocks);
-    char *memory = malloc(n * BLOCK + n * sizeof(float));
-    if (!memory) return -1;
-    r->bytes = (uint8_t *)memory;
-    r->dx = (float *)(memory + n * BLOCK);
-    for (size_t bg = 0; bg < n; bg++) {
-        float values[BLOCK], top = 0.0f;
-        int nan = 0;
-        for (int i = 0; i < BLOCK; i++) {
-            values[i] = bfloat16 ? bf16_to_float(((const uint16_t *)x)[bg * BLOCK + i])
-                                 : ((const float *)x)[bg * BLOCK + i];
-            nan |= isnan(values[i]);
-            top = fmaxf(top, fabsf(values[i]));
-        }
-        // A NaN (or infinite) input makes the block's scale NaN (or infinite), and with it the outputs NaN, as a
-        // dense product would; its bytes are then 128 (zero), never a cast of a NaN.
-        float dx = nan ? NAN : top / 127.0f, inverse = top > 0.0f && isfinite(top) && !nan ? 127.0f / top : 0.0f;
-        for (int i = 0; i < BLOCK; i++) r->bytes[bg * BLOCK + i] = (uint8_t)((int)nearbyintf(values[i] * inverse) + 128);
-        r->dx[bg] = dx;
-    }
-    return 0;
-}
 
 // Output rows n .. n + R - 1 for `batch` rows of x (R and batch constants after inlining: the R x batch
 // accumulators stay in registers, and R rows make R independent chains of adds). Two blocks (64 bytes) a
@@ -116,7 +84,7 @@ int q8_0_matmul(const void *x, int64_t batch, int64_t in_features, const int8_t 
     if (batch < 1 || batch > MAX_BATCH || in_features % BLOCK || out_features % 4) return -1;
     int64_t blocks = in_features / BLOCK;
     RoundedX rounded;
-    if (round_x(x, batch, blocks, bfloat16, &rounded)) return -1;
+    if (round_x(x, batch, blocks, bfloat16, 128, &rounded)) return -1;
     switch (batch) {  // each case a copy of the loop with the batch a constant
         case 1: ROWS_FOR(1, 4) break;
         case 2: ROWS_FOR(2, 4) break;

@@ -101,12 +101,16 @@ def q8_0_matmul(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
     return out
 
 
-def q8_0_matmul_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
-    """What the kernel computes, in plain PyTorch: x rounded per block to int8 as the kernel rounds it (in float32,
-    times 127 / max |x|), then the products in float64."""
-    n, k = weight.shape
-    blocks = x.float().reshape(x.shape[0], k // BLOCK, BLOCK)
+def round_per_block(x: torch.Tensor) -> torch.Tensor:
+    """x [B, K] as the VNNI kernels round it (`rounded_x.h`), float64: per block of 32, qx = x 127 / max |x| to the
+    nearest (in float32, 127 / max |x| divided as C divides it), times max |x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     top = blocks.abs().amax(dim=-1, keepdim=True)
-    q = torch.round(blocks * torch.where(top > 0, 127 / top, 0.0))
-    rounded = (q.double() * (top / 127).double()).view(x.shape[0], k)
-    return (rounded @ weight.dequantize().double().t()).to(x.dtype)
+    q = torch.round(blocks * torch.where(top > 0, top.new_tensor(127.0) / top, 0.0))
+    return (q.double() * (top / 127).double()).view(x.shape)
+
+
+def q8_0_matmul_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
+    """What the kernel computes, in plain PyTorch: x rounded per block (`round_per_block`), then the products in
+    float64."""
+    return (round_per_block(x) @ weight.dequantize().double().t()).to(x.dtype)

@@ -29,6 +29,9 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
 # stack of linears (2-core Xeon with AMX).
 DENSE_FROM_BATCH = {"int8": 3, "int4": 10, "q8_0": q8_0_matmul_cpu.MAX_BATCH + 1}
+# int4 on the Q4_1 VNNI kernel (`Int4Weight.rounds_x`): int4 engine decode steps at batch 12 / 16 / 24 / 32 took
+# 21-22 / 24-26 / 32-35 / 39-41 ms against 28 / 30 / 36 / 41-42 on the packed bfloat16 weights.
+INT4_VNNI_DENSE_FROM = 32
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
@@ -55,7 +58,11 @@ class InferenceWeight:
         if self.kind != "none":
             self.quantized = quantize(weight, self.kind)
             weight = self.quantized.dequantize().to(weight.dtype)
-        self.dense_from = 0 if self.kind == "none" else dense_from or DENSE_FROM_BATCH[self.kind]
+        if self.kind == "none":
+            self.dense_from = 0
+        else:
+            vnni_int4 = self.kind == "int4" and self.quantized.rounds_x
+            self.dense_from = dense_from or (INT4_VNNI_DENSE_FROM if vnni_int4 else DENSE_FROM_BATCH[self.kind])
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
         self.packed = pack_weight(weight) if packing_available(weight) else None
 

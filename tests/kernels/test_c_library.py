@@ -15,6 +15,7 @@ from hisparse.kernels import (
     index_scores_cpu,
     indexer_key_cpu,
     kv_rows_cpu,
+    q4_1_matmul_cpu,
     q8_0_matmul_cpu,
     rms_norm_cpu,
     rotary_cpu,
@@ -32,10 +33,11 @@ def test_the_kernels_are_built_wherever_gcc_is(kernel):
 
 
 @needs_gcc
-def test_the_q8_0_kernel_is_built_wherever_gcc_and_vnni_are():
-    if not all(f in cpu_flags() for f in q8_0_matmul_cpu.REQUIRED_FLAGS):
+@pytest.mark.parametrize("kernel", [q8_0_matmul_cpu, q4_1_matmul_cpu])
+def test_the_vnni_kernels_are_built_wherever_gcc_and_vnni_are(kernel):
+    if not all(f in cpu_flags() for f in kernel.REQUIRED_FLAGS):
         pytest.skip("no AVX-512 VNNI here")
-    assert q8_0_matmul_cpu.available()
+    assert kernel.available()
 
 
 @needs_gcc
