@@ -8,11 +8,11 @@ their arithmetic grows with the batch while a dense matmul's does not, which is 
 weights for large batches (`layers.linear.InferenceWeight`).
 
 - int8: one scale per output channel, w = q * scale, q in [-127, 127].
-- q8_0: llama.cpp's blocks of 32 inputs, one scale each, multiplied by `kernels.q8_0_matmul_cpu` (x rounded per
-  block to int8; batches up to its MAX_BATCH).
+- q8_0: llama.cpp's blocks of 32 inputs, one scale each (the default model's LM head, as its GGUF stores it),
+  multiplied by `kernels.block_matmul_cpu` (x rounded per block to int8); made only where that kernel runs.
 - int4: groups of `INT4_GROUP` consecutive inputs, w = q * scale + min, q in [0, 15]: llama.cpp's Q4_1 block.
   A GGUF file's Q4_1 weights (the default model's) come back as the same q, scale and min, so int4 holds
-  them as the file does. Where AVX-512 VNNI is, `kernels.q4_1_matmul_cpu` multiplies them as llama.cpp does, x
+  them as the file does. Where AVX-512 VNNI is, `kernels.block_matmul_cpu` multiplies them as llama.cpp does, x
   rounded per block to int8 (0.57x PyTorch's int4 kernel's time at batch 1, 0.37x at batch 8).
 
 `weight_only_matmul_reference` is the plain-PyTorch reference (dequantize, then multiply).
@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.kernels import q4_1_matmul_cpu
-from hisparse.kernels.q4_1_matmul_cpu import q4_1_matmul
-from hisparse.kernels.q8_0_matmul_cpu import Q8_0Weight, q8_0_matmul, quantize_q8_0, round_per_block
+from hisparse.kernels import block_matmul_cpu
+from hisparse.kernels.block_matmul_cpu import BLOCK, block_matmul, pack_q4_1, pack_q8_0, round_per_block, unpack_q8_0
 
-INT4_GROUP = 32  # inputs per int4 group, Q4_1's block
-INT4_ROWS = 16  # the int4 kernel's packing wants a multiple of this many output rows
+INT4_GROUP = BLOCK  # inputs per int4 group, Q4_1's block
+INT4_ROWS = 16  # PyTorch's int4 packing, and the block kernel's, want a multiple of this many output rows
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Int8Weight:
 class Int4Weight:
     """q uint8 [out, in] in [0, 15]; scales_and_zeros [in / group, out, 2] in the activations' dtype: per group a
     scale and a zero, w = (q - 8) * scale + zero (PyTorch's int4 contract; zero = min + 8 scale). `packed` is the
-    weight in its kernel's layout: `q4_1_matmul_cpu`'s nibbles, with `packed_scales` its scales, where that kernel
+    weight in its kernel's layout: `block_matmul_cpu`'s nibbles, with `packed_scales` its scales, where that kernel
     runs; else PyTorch's int4pack, and no packed_scales."""
 
     q: torch.Tensor
@@ -57,7 +56,7 @@ class Int4Weight:
 
     @property
     def rounds_x(self) -> bool:
-        """Whether its kernel rounds x to int8 per block (the Q4_1 kernel's)."""
+        """Whether its kernel rounds x to int8 per block (the block kernel's)."""
         return self.packed_scales is not None
 
     def dequantize(self) -> torch.Tensor:
@@ -65,6 +64,25 @@ class Int4Weight:
         scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
         grouped = (self.q.view(out, -1, INT4_GROUP).float() - 8) * scales[..., None] + zeros[..., None]
         return grouped.view(out, width)
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """llama.cpp's Q8_0, w = q * scale per block of 32 inputs, held in `block_matmul_cpu`'s layout: `packed` the
+    bytes q + 128, `scales` float32 (`pack_q8_0`)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        groups, blocks, _ = self.packed.shape
+        return groups * block_matmul_cpu.ROWS, blocks * BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights [N, K] float32 these blocks hold."""
+        q, scales = unpack_q8_0(self.packed, self.scales)
+        return (q.view(*self.shape[:1], -1, BLOCK).float() * scales[..., None]).view(self.shape)
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
@@ -93,9 +111,23 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
     safe = torch.where(scales > 0, scales, 1.0)
     q = torch.round((grouped - mins[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8).view(out, width)
     scales_and_zeros = torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    if weight.device.type == "cpu" and q4_1_matmul_cpu.fits(out, width) and q4_1_matmul_cpu.available():
-        return Int4Weight(q, scales_and_zeros, *q4_1_matmul_cpu.pack(q, scales_and_zeros))
+    if weight.device.type == "cpu" and block_matmul_cpu.available():
+        return Int4Weight(q, scales_and_zeros, *pack_q4_1(q, scales_and_zeros))
     return Int4Weight(q, scales_and_zeros, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+
+
+def quantize_q8_0(weight: torch.Tensor) -> Q8_0Weight:
+    """llama.cpp's Q8_0 quantizer: per block of 32 inputs the largest magnitude maps to 127. A float32 weight
+    dequantized from a GGUF file's Q8_0 tensor comes back as its own blocks (a bfloat16 one near them: q * scale
+    needs up to 18 bits)."""
+    if not block_matmul_cpu.fits(*weight.shape):
+        raise ValueError(f"a Q8_0 weight needs a multiple of {block_matmul_cpu.ROWS} rows and of {BLOCK} columns, "
+                         f"got {tuple(weight.shape)}")
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
+    scales = blocks.abs().amax(dim=-1) / 127
+    q = torch.round(blocks / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Q8_0Weight(*pack_q8_0(q.view(n, k), scales))
 
 
 def quantize(weight: torch.Tensor, kind: str) -> Int8Weight | Int4Weight | Q8_0Weight:
@@ -110,9 +142,9 @@ def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0We
     if isinstance(weight, Int8Weight):
         return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
     if isinstance(weight, Q8_0Weight):
-        return q8_0_matmul(x, weight)
+        return block_matmul(x, weight.packed, weight.scales, "q8_0")
     if weight.rounds_x:
-        return q4_1_matmul(x, weight.packed, weight.packed_scales)
+        return block_matmul(x, weight.packed, weight.packed_scales, "q4_1")
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
 
 

@@ -12,8 +12,8 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   numbers. Quantization trades memory for speed here: the dense forms stay.
 
 "q8_0" (the LM head's, not a `--quantization` choice) keeps llama.cpp's blocks of 32 with one scale each and
-multiplies batches up to 4 with int8 dot products, x rounded per block (`kernels.q8_0_matmul_cpu`); where
-that kernel cannot run it is "int8".
+multiplies them with int8 dot products, x rounded per block (`kernels.block_matmul_cpu`); where that kernel cannot
+run it is "int8".
 """
 
 from __future__ import annotations
@@ -21,17 +21,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hisparse.kernels import q8_0_matmul_cpu
+from hisparse.kernels import block_matmul_cpu
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
-from hisparse.kernels.weight_only_matmul import Int4Weight, Int8Weight, int4_fits, quantize, weight_only_matmul
+from hisparse.kernels.weight_only_matmul import (
+    Int4Weight,
+    Int8Weight,
+    Q8_0Weight,
+    int4_fits,
+    quantize,
+    weight_only_matmul,
+)
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# Where the block kernel multiplies (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and the Q8_0 head) the
+# packed bfloat16 weights win from batch 32: int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 /
+# 32-35 / 39-41 ms against 28 / 30 / 36 / 41-42 on them; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 /
+# 2.46 / 3.28 ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47.
+VNNI_DENSE_FROM = 32
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
-# stack of linears (2-core Xeon with AMX).
-DENSE_FROM_BATCH = {"int8": 3, "int4": 10, "q8_0": q8_0_matmul_cpu.MAX_BATCH + 1}
-# int4 on the Q4_1 VNNI kernel (`Int4Weight.rounds_x`): int4 engine decode steps at batch 12 / 16 / 24 / 32 took
-# 21-22 / 24-26 / 32-35 / 39-41 ms against 28 / 30 / 36 / 41-42 on the packed bfloat16 weights.
-INT4_VNNI_DENSE_FROM = 32
+# stack of linears (2-core Xeon with AMX): PyTorch's int8 and int4 kernels, and the block kernel's formats.
+DENSE_FROM_BATCH = {"int8": 3, "int4": 10, "q8_0": VNNI_DENSE_FROM}
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
@@ -51,10 +60,10 @@ class InferenceWeight:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         weight = weight.detach()
         self.kind = quantization if quantization != "int4" or int4_fits(weight) else "int8"
-        if self.kind == "q8_0" and not (weight.device.type == "cpu" and q8_0_matmul_cpu.fits(weight)
-                                        and q8_0_matmul_cpu.available()):
+        if self.kind == "q8_0" and not (weight.device.type == "cpu" and block_matmul_cpu.fits(*weight.shape)
+                                        and block_matmul_cpu.available()):
             self.kind = "int8"  # PyTorch's int8 kernel instead, one scale per row
-        self.quantized: Int8Weight | Int4Weight | q8_0_matmul_cpu.Q8_0Weight | None = None
+        self.quantized: Int8Weight | Int4Weight | Q8_0Weight | None = None
         if self.kind != "none":
             self.quantized = quantize(weight, self.kind)
             weight = self.quantized.dequantize().to(weight.dtype)
@@ -62,7 +71,7 @@ class InferenceWeight:
             self.dense_from = 0
         else:
             vnni_int4 = self.kind == "int4" and self.quantized.rounds_x
-            self.dense_from = dense_from or (INT4_VNNI_DENSE_FROM if vnni_int4 else DENSE_FROM_BATCH[self.kind])
+            self.dense_from = dense_from or (VNNI_DENSE_FROM if vnni_int4 else DENSE_FROM_BATCH[self.kind])
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
         self.packed = pack_weight(weight) if packing_available(weight) else None
 

@@ -10,13 +10,12 @@ import warnings
 import pytest
 
 from hisparse.kernels import (
+    block_matmul_cpu,
     decode_attention_cpu,
     index_keys_cpu,
     index_scores_cpu,
     indexer_key_cpu,
     kv_rows_cpu,
-    q4_1_matmul_cpu,
-    q8_0_matmul_cpu,
     rms_norm_cpu,
     rotary_cpu,
 )
@@ -33,11 +32,10 @@ def test_the_kernels_are_built_wherever_gcc_is(kernel):
 
 
 @needs_gcc
-@pytest.mark.parametrize("kernel", [q8_0_matmul_cpu, q4_1_matmul_cpu])
-def test_the_vnni_kernels_are_built_wherever_gcc_and_vnni_are(kernel):
-    if not all(f in cpu_flags() for f in kernel.REQUIRED_FLAGS):
+def test_the_block_kernel_is_built_wherever_gcc_and_vnni_are():
+    if not all(f in cpu_flags() for f in block_matmul_cpu.REQUIRED_FLAGS):
         pytest.skip("no AVX-512 VNNI here")
-    assert kernel.available()
+    assert block_matmul_cpu.available()
 
 
 @needs_gcc

@@ -9,7 +9,7 @@ from index_key_rows import assert_within_a_rounding_step
 
 from hisparse.attention.single_sequence import SingleSequenceCache
 from hisparse.engine.engine_config import EngineConfig
-from hisparse.kernels import q8_0_matmul_cpu
+from hisparse.kernels import block_matmul_cpu
 from hisparse.models.loader import load_llama
 
 
@@ -42,7 +42,7 @@ def test_int4_keeps_the_gguf_weights(llama, quantized):
     assert quantized["int4"].layers[0].mlp.gate_up.kind == "int4"
     # The LM head (Q8_0 in the file) is read in 8 bits under either quantization: as Q8_0 blocks where the int8
     # dot-product kernel runs, else one scale per row.
-    head = "q8_0" if q8_0_matmul_cpu.available() else "int8"
+    head = "q8_0" if block_matmul_cpu.available() else "int8"
     assert quantized["int4"].lm_head_weight.kind == quantized["int8"].lm_head_weight.kind == head
 
 
