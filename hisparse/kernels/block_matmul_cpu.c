@@ -43,28 +43,40 @@ static inline __m512 sixteen_floats(const void *values, int64_t at, int bfloat16
                     : _mm512_loadu_ps((const float *)values + at);
 }
 
-// Returns 0, or -1 (nothing allocated) for no memory; free(r->bytes) releases it all.
-static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, RoundedX *r) {
-    size_t n = (size_t)(batch * blocks);
-    char *memory = malloc(n * BLOCK + 2 * n * sizeof(float));
+// One block (lo: its first 16 inputs, hi: the other 16) rounded into row slot bg of r; lo and hi become what is left
+// of them, x - dx qx.
+static inline void round_block(__m512 *lo, __m512 *hi, size_t bg, RoundedX *r) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    int nan = _mm512_cmp_ps_mask(*lo, *lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(*hi, *hi, _CMP_UNORD_Q);
+    float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(*lo, magnitude), _mm512_and_ps(*hi, magnitude)));
+    // A NaN (or infinite) input makes the block's scale NaN (or infinite), and with it the outputs NaN, as a dense
+    // product would; its qx are then 0, never a cast of a NaN.
+    float dx = nan ? NAN : top / 127.0f, inverse = top > 0.0f && isfinite(top) && !nan ? 127.0f / top : 0.0f;
+    __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(*lo, _mm512_set1_ps(inverse)));  // to nearest, as nearbyintf
+    __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(*hi, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128((__m128i *)(r->bytes + bg * BLOCK), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128((__m128i *)(r->bytes + bg * BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+    r->dx[bg] = dx;
+    r->sums[bg] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    *lo = _mm512_sub_ps(*lo, _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_cvtepi32_ps(qlo)));
+    *hi = _mm512_sub_ps(*hi, _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_cvtepi32_ps(qhi)));
+}
+
+// x's rows rounded; with `residual` each row b is rows 2b (x rounded) and 2b + 1 (what that left, rounded again:
+// x to within max |x| / 127 / 254 a block, for twice the products). Returns 0, or -1 (nothing allocated) for no
+// memory; free(r->bytes) releases it all.
+static int round_x(const void *x, int64_t batch, int64_t blocks, int bfloat16, int residual, RoundedX *r) {
+    const int copies = residual ? 2 : 1;
+    size_t n = (size_t)(batch * blocks), rows = n * copies;
+    char *memory = malloc(rows * BLOCK + 2 * rows * sizeof(float));
     if (!memory) return -1;
     r->bytes = (int8_t *)memory;
-    r->dx = (float *)(memory + n * BLOCK);
-    r->sums = r->dx + n;
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    r->dx = (float *)(memory + rows * BLOCK);
+    r->sums = r->dx + rows;
     for (size_t bg = 0; bg < n; bg++) {
         __m512 lo = sixteen_floats(x, bg * BLOCK, bfloat16), hi = sixteen_floats(x, bg * BLOCK + 16, bfloat16);
-        int nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
-        float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, magnitude), _mm512_and_ps(hi, magnitude)));
-        // A NaN (or infinite) input makes the block's scale NaN (or infinite), and with it the outputs NaN, as a
-        // dense product would; its qx are then 0, never a cast of a NaN.
-        float dx = nan ? NAN : top / 127.0f, inverse = top > 0.0f && isfinite(top) && !nan ? 127.0f / top : 0.0f;
-        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));  // to nearest, as nearbyintf
-        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
-        _mm_storeu_si128((__m128i *)(r->bytes + bg * BLOCK), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(r->bytes + bg * BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
-        r->dx[bg] = dx;
-        r->sums[bg] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        size_t b = bg / blocks, g = bg % blocks;
+        for (int copy = 0; copy < copies; copy++) round_block(&lo, &hi, (b * copies + copy) * blocks + g, r);
     }
     return 0;
 }
@@ -123,19 +135,21 @@ static inline __attribute__((always_inline)) void row_group(int format, int batc
 }
 
 // Rows group .. group + 15 of x's rows first .. first + B - 1 into `out` (format and B constants after inlining).
+// With `residual` rows 2b and 2b + 1 of the rounded x are out's row b, and `first` is even.
 static inline __attribute__((always_inline)) void group_rows(int format, int B, const RoundedX *rounded,
                                                              int64_t first, int64_t blocks, const uint8_t *w,
                                                              const void *scales, int scales_bf16, int bfloat16,
-                                                             int64_t group, int64_t out_features, void *out) {
+                                                             int residual, int64_t group, int64_t out_features,
+                                                             void *out) {
     RoundedX x = {rounded->bytes + first * blocks * BLOCK, rounded->dx + first * blocks, rounded->sums + first * blocks};
     __m512 acc[MAX_BATCH];
     row_group(format, B, &x, blocks, w + group * blocks * block_bytes(format),
               (const char *)scales + group * blocks * block_scales(format) * (scales_bf16 ? 2 : 4), scales_bf16, acc);
-    for (int b = 0; b < B; b++) {
+    for (int b = 0; b < B; b += residual ? 2 : 1) {
         float values[ROWS];
-        _mm512_storeu_ps(values, acc[b]);
+        _mm512_storeu_ps(values, residual && b + 1 < B ? _mm512_add_ps(acc[b], acc[b + 1]) : acc[b]);
         for (int i = 0; i < ROWS; i++) {
-            int64_t at = (first + b) * out_features + group * ROWS + i;
+            int64_t at = (residual ? (first + b) / 2 : first + b) * out_features + group * ROWS + i;
             if (bfloat16) ((uint16_t *)out)[at] = float_to_bf16(values[i]);
             else ((float *)out)[at] = values[i];
         }
@@ -145,8 +159,8 @@ static inline __attribute__((always_inline)) void group_rows(int format, int B, 
 #define GROUPS_FOR(FORMAT)                                                                                        \
     _Pragma("omp parallel for schedule(static)")                                                                  \
     for (int64_t group = 0; group < out_features / ROWS; group++)                                                 \
-        for (int64_t first = 0; first < batch; first += MAX_BATCH) {                                              \
-            int64_t left = batch - first;                                                                         \
+        for (int64_t first = 0; first < rows; first += MAX_BATCH) {                                               \
+            int64_t left = rows - first;                                                                          \
             switch (left < MAX_BATCH ? left : MAX_BATCH) {  /* each a copy with B a constant */                   \
                 case 1: GROUP_ROWS(FORMAT, 1); break;                                                             \
                 case 2: GROUP_ROWS(FORMAT, 2); break;                                                             \
@@ -159,17 +173,20 @@ static inline __attribute__((always_inline)) void group_rows(int format, int B, 
             }                                                                                                     \
         }
 
-// format: Q4_1 (scales in x's dtype) or Q8_0 (float32 scales). Returns 0, or -1 (nothing done) for no batch, widths
-// that are not whole blocks or groups of rows, an unknown format, or no memory. Batches past MAX_BATCH go MAX_BATCH
-// rows of x at a time through each group of rows, whose weights (a few KB) the first pass left in the core's cache.
+// format: Q4_1 (scales in x's dtype) or Q8_0 (float32 scales); residual: x rounded twice (`round_x`). Returns 0, or
+// -1 (nothing done) for no batch, widths that are not whole blocks or groups of rows, an unknown format, or no
+// memory. Batches past MAX_BATCH go MAX_BATCH rows of x at a time through each group of rows, whose weights (a few
+// KB) the first pass left in the core's cache.
 int block_matmul(const void *x, int64_t batch, int64_t in_features, const uint8_t *w, const void *scales,
-                 int64_t out_features, void *out, int bfloat16, int format) {
+                 int64_t out_features, void *out, int bfloat16, int format, int residual) {
     if (batch < 1 || in_features % BLOCK || out_features % ROWS || (format != Q4_1 && format != Q8_0)) return -1;
     int64_t blocks = in_features / BLOCK;
     RoundedX rounded;
-    if (round_x(x, batch, blocks, bfloat16, &rounded)) return -1;
+    if (round_x(x, batch, blocks, bfloat16, residual, &rounded)) return -1;
+    const int64_t rows = residual ? 2 * batch : batch;  // an even MAX_BATCH keeps each pair in one pass
 #define GROUP_ROWS(FORMAT, B) \
-    group_rows(FORMAT, B, &rounded, first, blocks, w, scales, FORMAT == Q4_1 && bfloat16, bfloat16, group, out_features, out)
+    group_rows(FORMAT, B, &rounded, first, blocks, w, scales, FORMAT == Q4_1 && bfloat16, bfloat16, residual, group, \
+               out_features, out)
     if (format == Q4_1) {
         GROUPS_FOR(Q4_1)
     } else {

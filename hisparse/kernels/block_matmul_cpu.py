@@ -4,13 +4,16 @@ A decode step reads every weight once, so its time is the weights' bytes over th
 weight-only kernels widen each weight to a float lane and multiply in floats. `block_matmul_cpu.c` keeps them as
 nibbles or bytes, as llama.cpp does: x is rounded to int8 per block of 32 (one scale per block, `round_per_block`)
 and vpdpbusd multiplies 4 of its bytes by 4 weights of each of 16 rows; the blocks' scales (and Q4_1's zeros) are
-the weight's own, so only the products see x's rounding. Batches of any size go 8 rows of x at a time.
+the weight's own, so only the products see x's rounding. Batches of any size go 8 rows of x at a time. Where that
+rounding costs too much, what it left is rounded and multiplied too (`round_x_twice`: x to within a 32000th of its
+block's largest, for twice the products; the weights are read once either way).
 
 - Q4_1 (`--quantization int4`, `weight_only_matmul.Int4Weight`): the default model's 30 layers of int4 linears,
   weights cold in cache: 2.7 ms against PyTorch's int4 kernel's 4.8 at batch 1 (24 GB/s, the machine's read
   bandwidth), 4.9 against 13.2 at batch 8, and faster than the packed bfloat16 weights (12.3-15.7 ms) up to batch
-  32 (`layers.linear.VNNI_DENSE_FROM`). Decode perplexity over six held-out texts (6 x 255 tokens, batch 1):
-  +0.90% against bfloat16, +0.55% with PyTorch's kernel.
+  32 (`layers.linear.VNNI_DENSE_FROM`). Decode perplexity over six held-out texts (6 x 255 tokens, batch 1)
+  against bfloat16: +0.90% with x rounded once, +0.16% with the attention's projections rounding it twice (the
+  engine's choice, `models.llama`), +0.55% on PyTorch's int4 kernel.
 - Q8_0 (the LM head as the GGUF stores it, `weight_only_matmul.Q8_0Weight`): the 49152 x 576 head, caches flushed,
   0.94 ms at batch 1 (the kernel before, with llama.cpp's row-major blocks: 1.2) and 1.21 at batch 8, against 2.3-2.5
   for the packed bfloat16 head.
@@ -41,7 +44,7 @@ FORMATS = {"q4_1": 0, "q8_0": 1}  # the C file's
 
 _LIBRARY = CLibrary(
     SOURCE,
-    {"block_matmul": (INT, [POINTER, INT64, INT64, POINTER, POINTER, INT64, POINTER, INT, INT])},
+    {"block_matmul": (INT, [POINTER, INT64, INT64, POINTER, POINTER, INT64, POINTER, INT, INT, INT])},
     "block-quantized weights multiply with PyTorch's kernels", REQUIRED_FLAGS, "HISPARSE_DISABLE_VNNI")
 available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
@@ -84,9 +87,11 @@ def unpack_q8_0(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
     return (q.to(torch.int16) - 128).to(torch.int8), scales.transpose(1, 2).reshape(n, blocks)
 
 
-def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, format: str) -> torch.Tensor:
-    """x [B, K] (float32 or bfloat16) @ W.T -> [B, N] in x's dtype, x rounded per block; W is `packed` and `scales`
-    as `pack_q4_1` (scales in x's dtype) or `pack_q8_0` (float32) made them, `format` "q4_1" or "q8_0"."""
+def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, format: str,
+                 round_x_twice: bool = False) -> torch.Tensor:
+    """x [B, K] (float32 or bfloat16) @ W.T -> [B, N] in x's dtype, x rounded per block (`round_per_block`); W is
+    `packed` and `scales` as `pack_q4_1` (scales in x's dtype) or `pack_q8_0` (float32) made them, `format` "q4_1" or
+    "q8_0". round_x_twice: what the rounding left of x is rounded and multiplied too, for twice the products."""
     library = _LIBRARY.load()
     if library is None:
         raise RuntimeError("the block matmul kernel is not available on this machine (see block_matmul_cpu.available)")
@@ -106,15 +111,18 @@ def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fo
     if x.shape[0] == 0:
         return out
     if library.block_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
-                            x.dtype == torch.bfloat16, FORMATS[format]):
+                            x.dtype == torch.bfloat16, FORMATS[format], round_x_twice):
         raise MemoryError("the block matmul kernel could not allocate its rounded copy of x")
     return out
 
 
-def round_per_block(x: torch.Tensor) -> torch.Tensor:
+def round_per_block(x: torch.Tensor, twice: bool = False) -> torch.Tensor:
     """x [B, K] as the kernel rounds it, float64: per block of 32, qx = x 127 / max |x| to the nearest (in float32,
-    127 / max |x| divided as C divides it), times max |x| / 127."""
+    127 / max |x| divided as C divides it), times max |x| / 127; twice: plus what that left, rounded the same way."""
     blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     top = blocks.abs().amax(dim=-1, keepdim=True)
     q = torch.round(blocks * torch.where(top > 0, top.new_tensor(127.0) / top, 0.0))
-    return (q.double() * (top / 127).double()).view(x.shape)
+    rounded = (q.double() * (top / 127).double()).view(x.shape)
+    if twice:
+        rounded = rounded + round_per_block((blocks - q * (top / 127)).view(x.shape))
+    return rounded

@@ -137,19 +137,23 @@ def quantize(weight: torch.Tensor, kind: str) -> Int8Weight | Int4Weight | Q8_0W
     return (quantize_int4 if kind == "int4" else quantize_int8)(weight, weight.dtype)
 
 
-def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight) -> torch.Tensor:
-    """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for)."""
+def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight,
+                       round_x_twice: bool = False) -> torch.Tensor:
+    """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for).
+    round_x_twice: where the kernel rounds x, the rounding's residual rounded and multiplied too (`block_matmul`)."""
     if isinstance(weight, Int8Weight):
         return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
     if isinstance(weight, Q8_0Weight):
-        return block_matmul(x, weight.packed, weight.scales, "q8_0")
+        return block_matmul(x, weight.packed, weight.scales, "q8_0", round_x_twice)
     if weight.rounds_x:
-        return block_matmul(x, weight.packed, weight.packed_scales, "q4_1")
+        return block_matmul(x, weight.packed, weight.packed_scales, "q4_1", round_x_twice)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
 
 
-def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight) -> torch.Tensor:
+def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight,
+                                 round_x_twice: bool = False) -> torch.Tensor:
     """`weight_only_matmul` in plain PyTorch: the weight dequantized, then one float64 matmul, x rounded per block
-    first where the weight's kernel rounds it (Q8_0, and int4 on the Q4_1 kernel)."""
+    first where the weight's kernel rounds it (Q8_0, and int4 on the block kernel)."""
     rounds = isinstance(weight, Q8_0Weight) or (isinstance(weight, Int4Weight) and weight.rounds_x)
-    return ((round_per_block(x) if rounds else x.double()) @ weight.dequantize().double().t()).to(x.dtype)
+    xs = round_per_block(x, round_x_twice) if rounds else x.double()
+    return (xs @ weight.dequantize().double().t()).to(x.dtype)

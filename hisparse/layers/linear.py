@@ -54,11 +54,14 @@ class InferenceWeight:
     cannot pack falls back to int8) or "q8_0" (see above). Batches from `dense_from` on multiply by the dense
     weights, prepacked for oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 on a CPU)."""
 
-    def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None) -> None:
-        """dense_from: the batch from which the dense weights serve, when not the quantization's own."""
+    def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None,
+                 round_x_twice: bool = False) -> None:
+        """dense_from: the batch from which the dense weights serve, when not the quantization's own. round_x_twice:
+        where the weight-only kernel rounds x to int8, it rounds the residual too (`kernels.block_matmul_cpu`)."""
         if quantization not in (*QUANTIZATIONS, "q8_0"):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         weight = weight.detach()
+        self.round_x_twice = round_x_twice
         self.kind = quantization if quantization != "int4" or int4_fits(weight) else "int8"
         if self.kind == "q8_0" and not (weight.device.type == "cpu" and block_matmul_cpu.fits(*weight.shape)
                                         and block_matmul_cpu.available()):
@@ -76,10 +79,10 @@ class InferenceWeight:
         self.packed = pack_weight(weight) if packing_available(weight) else None
 
     @classmethod
-    def fused(cls, *linears: nn.Linear, quantization: str = "none") -> InferenceWeight:
+    def fused(cls, *linears: nn.Linear, quantization: str = "none", round_x_twice: bool = False) -> InferenceWeight:
         """The weights of `linears` concatenated on the output axis ([q; k; v], [gate; up]); each linear's
         weight becomes a view into the plain copy."""
-        fused = cls(torch.cat([lin.weight.detach() for lin in linears]), quantization)
+        fused = cls(torch.cat([lin.weight.detach() for lin in linears]), quantization, round_x_twice=round_x_twice)
         start = 0
         for lin in linears:
             width = lin.weight.shape[0]
@@ -90,7 +93,7 @@ class InferenceWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         if batch < self.dense_from:
-            return weight_only_matmul(x, self.quantized)
+            return weight_only_matmul(x, self.quantized, self.round_x_twice)
         if self.packed is not None and batch <= PACKED_UP_TO_BATCH:
             return packed_matmul(x, self.packed)
         return x @ self.t

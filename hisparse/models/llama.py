@@ -78,8 +78,12 @@ class LlamaAttention(nn.Module):
         """The indexer's projections are fused in the model's dtype, and quantized to int8 at most: they decide
         what attention reads; the key's rows alone besides, for steps that read no queries (a dense prompt chunk
         needs 64 of the 324 columns). They are a copy: prepare again after changing or replacing the indexer."""
-        self.qkv = InferenceWeight.fused(self.q_proj, self.k_proj, self.v_proj, quantization=quantization)
-        self.o = InferenceWeight.fused(self.o_proj, quantization=quantization)
+        # Rounded once to int8 where the kernel rounds x, the attention's inputs cost most: decode perplexity over six
+        # held-out texts, int4, +0.90% against bfloat16 with every linear's x rounded once, +0.35% with x exact in
+        # these two (the MLP's rounding showed nothing).
+        self.qkv = InferenceWeight.fused(self.q_proj, self.k_proj, self.v_proj, quantization=quantization,
+                                         round_x_twice=True)
+        self.o = InferenceWeight.fused(self.o_proj, quantization=quantization, round_x_twice=True)
         self._prepared_indexer = self.indexer
         self.index_key_proj = None
         if self.indexer is not None:

@@ -134,3 +134,18 @@ def test_a_q8_0_weight_serves_small_batches_from_its_blocks_and_larger_ones_dens
     assert relative_error(small, large[:1]) < 2e-2
     # a step of prompt chunks that samples nothing asks the head for no rows (a long prompt's first chunks)
     assert head(x[:0]).shape == (0, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("batch", [1, 4, 5, 9])  # pairs within one pass, across passes and in a partial one
+def test_x_rounded_twice_matches_its_reference_and_nears_the_exact_product(format, batch):
+    gen = torch.Generator().manual_seed(7 * batch)
+    weight = QUANTIZERS[format](torch.randn(32, 576, generator=gen) * 0.05, torch.float32)
+    x = torch.randn(batch, 576, generator=gen) * 3
+    x[-1, 64:96] *= 1000  # a block with an outlier's scale
+    twice = weight_only_matmul(x, weight, round_x_twice=True)
+    torch.testing.assert_close(twice, weight_only_matmul_reference(x, weight, round_x_twice=True), rtol=1e-5,
+                               atol=1e-4)
+    exact_product = x.double() @ weight.dequantize().double().t()
+    assert relative_error(twice, exact_product) < 1e-4 < relative_error(weight_only_matmul(x, weight), exact_product)

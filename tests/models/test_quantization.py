@@ -86,8 +86,8 @@ def test_small_batches_take_the_quantized_kernel(quantized, monkeypatch):
     from hisparse.layers import linear
 
     calls = []
-    monkeypatch.setattr(linear, "weight_only_matmul", lambda x, w: calls.append(x.shape[0]) or x @ w.dequantize().t()
-                        .to(x.dtype))
+    monkeypatch.setattr(linear, "weight_only_matmul",
+                        lambda x, w, *_: calls.append(x.shape[0]) or x @ w.dequantize().t().to(x.dtype))
     model = quantized["int4"]
     cache = SingleSequenceCache(model.config.num_layers, model.attention_scale)
     with torch.no_grad():
