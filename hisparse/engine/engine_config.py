@@ -27,7 +27,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the cache's rows: auto (the model's dtype), float32, bfloat16 or fp8_e4m3
     dtype: str = "auto"  # the model's weights and activations: auto, float32 or bfloat16 (see model_dtype)
     device: str = "cpu"
-    quantization: str = "none"  # weight-only: none, int8 (per channel) or int4 (groups of 32, GGUF's Q4_1)
+    quantization: str = "none"  # weight-only: none, int8 (Q8_0's blocks of 32) or int4 (GGUF's Q4_1)
     enable_prefix_caching: bool = True  # finished requests leave their KV in a radix tree for later prompts
     adaptive_threads: bool = False  # on a CPU, step with fewer threads while other processes use the cores
     # Sparse attention (models with a lightning indexer, e.g. the default model with its shipped indexer):

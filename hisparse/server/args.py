@@ -142,8 +142,9 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "natively, else float32)")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                     help="weight-only quantization of the linear layers, used below a batch size where it is faster "
-                         "(a dense copy serves larger batches): int8 per channel, or int4 in groups of 32 (the "
-                         "default model's own Q4_1 weights); the LM head in Q8_0 either way. Llama models on the CPU")
+                         "(a dense copy serves larger batches): int8 in llama.cpp's Q8_0 blocks of 32, or int4 in "
+                         "groups of 32 (the default model's own Q4_1 weights); the LM head in Q8_0 either way. "
+                         "Llama models on the CPU")
     ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     ap.add_argument("--disable-adaptive-threads", action="store_true",
                     help="on a CPU, keep every core's thread even while other processes use the cores (by default "

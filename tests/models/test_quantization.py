@@ -1,5 +1,6 @@
-"""Weight-only quantization of the default model: int4 holds its own Q4_1 weights, int8 rounds them once more;
-either stays within a percent of the unquantized model's perplexity, and a DSA model is refused it."""
+"""Weight-only quantization of the default model: int4 holds its own Q4_1 weights, int8 rounds them once more (in
+Q8_0 blocks where the block kernel runs); either stays within a percent of the unquantized model's perplexity, and a
+DSA model is refused it."""
 
 from __future__ import annotations
 
@@ -40,10 +41,13 @@ def test_int4_keeps_the_gguf_weights(llama, quantized):
                       (quantized["int4"].layers[9].attn.q_proj.weight, llama.layers[9].attn.q_proj.weight)):
         assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
     assert quantized["int4"].layers[0].mlp.gate_up.kind == "int4"
-    # The LM head (Q8_0 in the file) is read in 8 bits under either quantization: as Q8_0 blocks where the int8
-    # dot-product kernel runs, else one scale per row.
-    head = "q8_0" if block_matmul_cpu.available() else "int8"
-    assert quantized["int4"].lm_head_weight.kind == quantized["int8"].lm_head_weight.kind == head
+    # The LM head (Q8_0 in the file) is read in 8 bits under either quantization, and int8's linears too: as Q8_0
+    # blocks where the int8 dot-product kernel runs, else one scale per row. The attention's projections round x twice.
+    blocks = "q8_0" if block_matmul_cpu.available() else "int8"
+    assert quantized["int4"].lm_head_weight.kind == quantized["int8"].lm_head_weight.kind == blocks
+    assert quantized["int8"].layers[0].mlp.down.kind == quantized["int8"].layers[0].attn.qkv.kind == blocks
+    attn, mlp = quantized["int4"].layers[0].attn, quantized["int4"].layers[0].mlp
+    assert attn.qkv.round_x_twice and attn.o.round_x_twice and not mlp.gate_up.round_x_twice
 
 
 def test_perplexity_within_a_percent_of_the_bfloat16_model(llama_bf16, quantized, text_ids):
@@ -65,7 +69,8 @@ def decode_nll(model, ids) -> float:
 def test_decode_perplexity_within_a_percent_of_the_bfloat16_model(llama_bf16, quantized, text_ids):
     ids = text_ids[:128]
     base = decode_nll(llama_bf16, ids)
-    assert abs(decode_nll(quantized["int4"], ids) - base) < 0.01 * base
+    for kind, model in quantized.items():
+        assert abs(decode_nll(model, ids) - base) < 0.01 * base, kind
 
 
 def test_an_int4_engine_serves_a_prompt_longer_than_a_chunk(quantized, tokenizer, text_ids):
@@ -109,7 +114,7 @@ def test_refusals(tmp_path, forbid):
         LLMEngine(EngineConfig(model=str(tmp_path), quantization="int4"))
 
 
-@pytest.mark.parametrize("quantization", ["int4", "none"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 def test_steps_that_score_nothing_project_the_index_keys_rows_alone(quantization, quantized, llama_bf16, tokenizer,
                                                                     text_ids, monkeypatch):
     """A step that scores nothing multiplies by the index key's rows alone: the tokens are those of the full
@@ -119,9 +124,9 @@ def test_steps_that_score_nothing_project_the_index_keys_rows_alone(quantization
     from hisparse.engine.llm_engine import LLMEngine
     from hisparse.layers.indexer import LlamaIndexer
 
-    model = quantized["int4"] if quantization == "int4" else llama_bf16
+    model = quantized[quantization] if quantization != "none" else llama_bf16
     key_weights = [layer.attn.index_key_proj for layer in model.layers]
-    assert all(w is not None and w.kind == ("int8" if quantization == "int4" else "none") for w in key_weights)
+    assert all(w is not None and w.kind == ("none" if quantization == "none" else "int8") for w in key_weights)
 
     def run(key_rows_alone: bool):
         for layer, weight in zip(model.layers, key_weights, strict=True):
@@ -147,7 +152,7 @@ def test_steps_that_score_nothing_project_the_index_keys_rows_alone(quantization
             layer.attn.index_key_proj = weight
     assert set(starts) == {0} and None in full_starts and 0 not in full_starts
     assert tokens == full_tokens
-    if quantization == "int4":
+    if quantization != "none":  # per-row int8 projections: the same key bytes
         assert torch.equal(keys, full_keys)
     else:
         assert_within_a_rounding_step(keys, full_keys)
