@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx512.h"
 #include "bfloat16.h"
 
 #define BLOCK 32
@@ -38,9 +39,7 @@ typedef struct {
 } RoundedX;
 
 static inline __m512 sixteen_floats(const void *values, int64_t at, int bfloat16) {
-    return bfloat16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)values + at))), 16))
-                    : _mm512_loadu_ps((const float *)values + at);
+    return bfloat16 ? widen_bf16x16((const uint16_t *)values + at) : _mm512_loadu_ps((const float *)values + at);
 }
 
 // One block (lo: its first 16 inputs, hi: the other 16) rounded into row slot bg of r; lo and hi become what is left
@@ -138,10 +137,11 @@ static inline __attribute__((always_inline)) void row_group(int format, int batc
 // With `residual` rows 2b and 2b + 1 of the rounded x are out's row b, and `first` is even.
 static inline __attribute__((always_inline)) void group_rows(int format, int B, const RoundedX *rounded,
                                                              int64_t first, int64_t blocks, const uint8_t *w,
-                                                             const void *scales, int scales_bf16, int bfloat16,
-                                                             int residual, int64_t group, int64_t out_features,
-                                                             void *out) {
-    RoundedX x = {rounded->bytes + first * blocks * BLOCK, rounded->dx + first * blocks, rounded->sums + first * blocks};
+                                                             const void *scales, int bfloat16, int residual,
+                                                             int64_t group, int64_t out_features, void *out) {
+    const int scales_bf16 = format == Q4_1 && bfloat16;  // Q4_1's scales are in x's dtype, Q8_0's float32
+    const int64_t at = first * blocks;  // x's rows from `first` on
+    RoundedX x = {rounded->bytes + at * BLOCK, rounded->dx + at, rounded->sums + at};
     __m512 acc[MAX_BATCH];
     row_group(format, B, &x, blocks, w + group * blocks * block_bytes(format),
               (const char *)scales + group * blocks * block_scales(format) * (scales_bf16 ? 2 : 4), scales_bf16, acc);
@@ -185,8 +185,7 @@ int block_matmul(const void *x, int64_t batch, int64_t in_features, const uint8_
     if (round_x(x, batch, blocks, bfloat16, residual, &rounded)) return -1;
     const int64_t rows = residual ? 2 * batch : batch;  // an even MAX_BATCH keeps each pair in one pass
 #define GROUP_ROWS(FORMAT, B) \
-    group_rows(FORMAT, B, &rounded, first, blocks, w, scales, FORMAT == Q4_1 && bfloat16, bfloat16, residual, group, \
-               out_features, out)
+    group_rows(FORMAT, B, &rounded, first, blocks, w, scales, bfloat16, residual, group, out_features, out)
     if (format == Q4_1) {
         GROUPS_FOR(Q4_1)
     } else {

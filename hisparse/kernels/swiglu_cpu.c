@@ -14,10 +14,6 @@
 
 #if defined(AVX512_PATHS) && defined(__AVX512BF16__)
 #define BF16_PATHS 1
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 static inline __m512 round16(__m512 x) {  // to bfloat16 and back
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
@@ -38,10 +34,11 @@ void swiglu(const uint16_t *x, int64_t rows, int64_t n, uint16_t *out, int paral
         int64_t i = 0;
 #ifdef BF16_PATHS
         for (; i + 16 <= n; i += 16) {
-            __m512 g = widen16(gate + i);
+            __m512 g = widen_bf16x16(gate + i);
             __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
                 _mm512_setzero_ps(), g)))));
-            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, widen16(up + i))));
+            __m512 product = _mm512_mul_ps(silu, widen_bf16x16(up + i));
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(product));
         }
 #endif
         for (; i < n; i++) {

@@ -37,6 +37,7 @@ class Int8Weight:
 
     values: torch.Tensor
     scales: torch.Tensor
+    rounds_x = False  # PyTorch's kernel multiplies x as it is
 
     def dequantize(self) -> torch.Tensor:
         return self.values.float() * self.scales.float()[:, None]
@@ -56,7 +57,7 @@ class Int4Weight:
 
     @property
     def rounds_x(self) -> bool:
-        """Whether its kernel rounds x to int8 per block (the block kernel's)."""
+        """Whether its kernel rounds x to int8 per block: the block kernel's, not PyTorch's."""
         return self.packed_scales is not None
 
     def dequantize(self) -> torch.Tensor:
@@ -73,6 +74,7 @@ class Q8_0Weight:
 
     packed: torch.Tensor
     scales: torch.Tensor
+    rounds_x = True  # made only where the block kernel runs
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,8 +83,9 @@ class Q8_0Weight:
 
     def dequantize(self) -> torch.Tensor:
         """The weights [N, K] float32 these blocks hold."""
+        n, k = self.shape
         q, scales = unpack_q8_0(self.packed, self.scales)
-        return (q.view(*self.shape[:1], -1, BLOCK).float() * scales[..., None]).view(self.shape)
+        return (q.view(n, -1, BLOCK).float() * scales[..., None]).view(n, k)
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
@@ -154,6 +157,5 @@ def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weigh
                                  round_x_twice: bool = False) -> torch.Tensor:
     """`weight_only_matmul` in plain PyTorch: the weight dequantized, then one float64 matmul, x rounded per block
     first where the weight's kernel rounds it (Q8_0, and int4 on the block kernel)."""
-    rounds = isinstance(weight, Q8_0Weight) or (isinstance(weight, Int4Weight) and weight.rounds_x)
-    xs = round_per_block(x, round_x_twice) if rounds else x.double()
+    xs = round_per_block(x, round_x_twice) if weight.rounds_x else x.double()
     return (xs @ weight.dequantize().double().t()).to(x.dtype)

@@ -33,14 +33,14 @@ from hisparse.kernels.weight_only_matmul import (
 )
 
 QUANTIZATIONS = ("none", "int8", "int4")
-# Where the block kernel multiplies (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and the Q8_0 head) the
-# packed bfloat16 weights win from batch 32: int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 /
-# 32-35 / 39-41 ms against 28 / 30 / 36 / 41-42 on them; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 /
-# 2.46 / 3.28 ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47.
-VNNI_DENSE_FROM = 32
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
-# stack of linears (2-core Xeon with AMX): PyTorch's int8 and int4 kernels, and the block kernel's formats.
-DENSE_FROM_BATCH = {"int8": 3, "int4": 10, "q8_0": VNNI_DENSE_FROM}
+# stack of linears (2-core Xeon with AMX): PyTorch's int8 and int4 kernels by kind, and the block kernel
+# (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and Q8_0) for every weight it multiplies
+# (`rounds_x`): int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 / 32-35 / 39-41 ms against
+# 28 / 30 / 36 / 41-42 on the packed weights; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 / 2.46 / 3.28
+# ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47.
+DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
+VNNI_DENSE_FROM = 32
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
@@ -82,8 +82,8 @@ class InferenceWeight:
         if self.kind == "none":
             self.dense_from = 0
         else:
-            vnni_int4 = self.kind == "int4" and self.quantized.rounds_x
-            self.dense_from = dense_from or (VNNI_DENSE_FROM if vnni_int4 else DENSE_FROM_BATCH[self.kind])
+            own = VNNI_DENSE_FROM if self.quantized.rounds_x else DENSE_FROM_BATCH[self.kind]
+            self.dense_from = dense_from or own
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
         self.packed = pack_weight(weight) if packing_available(weight) else None
 

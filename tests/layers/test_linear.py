@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hisparse.layers.linear import DENSE_FROM_BATCH, InferenceWeight
+from hisparse.layers.linear import InferenceWeight
 
 
 def linears(dtype):
@@ -30,7 +30,7 @@ def test_quantized_and_dense_paths_use_the_same_weights(kind):
     fused = InferenceWeight.fused(a, b, quantization=kind)
     assert fused.kind == kind
     small = torch.randn(1, 64).to(torch.bfloat16)
-    large = torch.cat([small] * DENSE_FROM_BATCH[kind])  # served by the dense copy
+    large = torch.cat([small] * fused.dense_from)  # served by the dense copy
     assert torch.allclose(fused(small).float(), fused(large)[:1].float(), rtol=0.02, atol=0.02)
     # the linears now hold the dequantized weights the dense path uses
     assert torch.equal(a.weight, fused.quantized.dequantize()[:32].to(torch.bfloat16))

@@ -41,6 +41,9 @@ def test_int4_keeps_the_gguf_weights(llama, quantized):
                       (quantized["int4"].layers[9].attn.q_proj.weight, llama.layers[9].attn.q_proj.weight)):
         assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
     assert quantized["int4"].layers[0].mlp.gate_up.kind == "int4"
+
+
+def test_the_head_and_int8s_linears_are_q8_0_and_the_attention_rounds_x_twice(quantized):
     # The LM head (Q8_0 in the file) is read in 8 bits under either quantization, and int8's linears too: as Q8_0
     # blocks where the int8 dot-product kernel runs, else one scale per row. The attention's projections round x twice.
     blocks = "q8_0" if block_matmul_cpu.available() else "int8"
