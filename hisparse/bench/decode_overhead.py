@@ -45,25 +45,37 @@ BUDGET = 2 * GIB  # device KV budget of both engines: the whole batch must fit i
 MAX_BATCH = 4096  # a cap far above what fits BUDGET, checked first so that a typo builds no 10**12 prompts
 
 
-def interleaved_step_seconds(engines: dict[str, LLMEngine], prompts: list[list[int]],
-                             steps: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
-    """Prefill the prompts in every engine, then time `steps` decode steps of each, taking turns."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+def interleaved_step_seconds(engines: dict[str, LLMEngine], prompts: list[list[int]], steps: int,
+                             max_tokens: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Prefill the prompts in every engine, then time `steps` decode steps of each, taking turns. Each timed
+    step must decode the whole batch (`max_tokens` leaves room for the tokens the first requests decode while
+    the later ones prefill); the requests are aborted after the timing, or when it fails."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
     for name, engine in engines.items():
         while any(r.in_prefill or not r.output_token_ids for r in requests[name]):
             engine.step()
     times: dict[str, list[float]] = {name: [] for name in engines}
     order = list(engines)
-    for i in range(steps):
-        for name in order if i % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            engines[name].step()
-            times[name].append(time.perf_counter() - start)
-    for engine in engines.values():
-        while engine.has_unfinished:
-            engine.step()
+    try:
+        for i in range(steps):
+            for name in order if i % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                produced = engines[name].step()
+                times[name].append(time.perf_counter() - start)
+                if len(produced) != len(prompts):
+                    raise RuntimeError(f"{name}: a timed step decoded {len(produced)} of {len(prompts)} requests")
+    finally:
+        for name, engine in engines.items():
+            for request in requests[name]:
+                engine.abort(request.request_id)
     return times, {name: [r.output_token_ids for r in rs] for name, rs in requests.items()}
+
+
+def prefill_steps(batch: int, context: int, chunk: int) -> int:
+    """At most how many steps the batch's prompts take to prefill: every step's chunk budget, less one token
+    for each request already decoding, goes to prompts. The first requests decode a token in each."""
+    return -(-batch * context // max(chunk - batch, 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,15 +108,21 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
         parser.error(f"argument --hisparse-config: {error}")
     files = open_model(None)
     mc = files.config
-    request_tokens = args.context + args.steps + 1  # each request generates steps + 1 tokens
-    if request_tokens > mc.max_position_embeddings:
-        parser.error(f"--context + --steps + 1 = {request_tokens} tokens exceeds the model's context "
-                     f"({mc.max_position_embeddings} tokens)")
-    # K/V alone (no indexer keys) is a lower bound of what the baseline pays per token.
-    least = args.batch * request_tokens * KVLayout.of(mc, resolve_model_dtype()).bytes_per_token
-    if least > BUDGET:
-        parser.error(f"--batch {args.batch} requests of {request_tokens} tokens need at least {least / GIB:.1f} GiB "
-                     f"of K/V, more than the {BUDGET / GIB:.0f} GiB budget that runs the whole batch at once")
+    bytes_per_token = KVLayout.of(mc, resolve_model_dtype()).bytes_per_token  # K/V alone: a lower bound
+
+    def refuse_past_limits(tokens: int, why: str) -> None:
+        if tokens > mc.max_position_embeddings:
+            parser.error(f"{why} = {tokens} tokens, past the model's context ({mc.max_position_embeddings} tokens)")
+        if args.batch * tokens * bytes_per_token > BUDGET:
+            parser.error(f"--batch {args.batch} requests of {why} = {tokens} tokens need at least "
+                         f"{args.batch * tokens * bytes_per_token / GIB:.1f} GiB of K/V, more than the "
+                         f"{BUDGET / GIB:.0f} GiB budget that runs the whole batch at once")
+
+    # The flags' own length first, then what the batch adds: the first requests decode while the others prefill.
+    refuse_past_limits(args.context + args.steps + 1, "--context + --steps + 1")
+    refuse_past_limits(args.context + args.steps + 1 + prefill_steps(args.batch, args.context,
+                                                                     hisparse.chunked_prefill_size),
+                       "--context + --steps + 1 + the steps the batch's prefill takes")
     return hisparse, files
 
 
@@ -131,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("this model's indexer keys are not int8 rows on the CPU: no compiled kernels to compare")
         selector.compiled_scores = selector.compiled_top_k = False
     buffer = hisparse.hisparse_config.device_buffer_size
+    max_tokens = args.steps + 1 + prefill_steps(args.batch, args.context, hisparse.chunked_prefill_size)
     for config in configs.values():  # a context past the buffer, so that the swap-in compiles too
         warm_up(config, model, tokenizer, prompts[0][:buffer + 16])
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     ratios = []
     identical = True
     for _ in tqdm(range(args.repeats), desc="repeats"):
-        times, outputs = interleaved_step_seconds(engines, prompts, args.steps)
+        times, outputs = interleaved_step_seconds(engines, prompts, args.steps, max_tokens)
         identical = identical and outputs[first] == outputs[second]
         for name in engines:
             seconds[name] += times[name]

@@ -43,3 +43,20 @@ def test_two_comparisons_at_once_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--policies", "lru,lrfu", "--compare-indexer-kernels"])
     assert "pick one" in capsys.readouterr().err
+
+
+def test_every_timed_step_decodes_the_whole_batch(llama, tokenizer):
+    """With small prompt chunks the first request decodes while the second prefills: a max_tokens of steps + 1
+    would end it during the timed steps (a batch smaller than the one named), which the timing refuses."""
+    from hisparse.bench.decode_overhead import interleaved_step_seconds, prefill_steps
+    from hisparse.engine.engine_config import EngineConfig
+    from hisparse.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(device_kv_budget=64 << 20, chunked_prefill_size=64, enable_prefix_caching=False)
+    engines = {"a": LLMEngine(config, model=llama, tokenizer=tokenizer)}
+    prompts = [list(range(10, 210)), list(range(300, 500))]
+    with pytest.raises(RuntimeError, match="a timed step decoded 1 of 2 requests"):
+        interleaved_step_seconds(engines, prompts, steps=4, max_tokens=5)
+    assert not engines["a"].has_unfinished
+    times, outputs = interleaved_step_seconds(engines, prompts, 4, 5 + prefill_steps(2, 200, 64))
+    assert len(times["a"]) == 4 and not engines["a"].has_unfinished  # timed, then aborted: no request is left
