@@ -1,12 +1,13 @@
-// Causal attention of a prompt chunk over its context with AMX tiles: bfloat16 Q, K, V, head dim 64. Built and
-// loaded by prompt_attention_cpu.py, which says what it computes and why it is shaped so.
+// Causal attention of a prompt chunk over its context: bfloat16 Q, K, V, head dim 64, its products in AMX tiles
+// where gcc targets AMX (-march=native on such a CPU), else in AVX512-BF16 dot products. Built and loaded by
+// prompt_attention_cpu.py, which says what it computes and why it is shaped so.
 //
-// Per (query head, 16 queries): QK^T of 32 keys at a time in two C tiles (Q as two A tiles, dims 0-31 and 32-63;
-// K packed per KV head as [16-key block][dim pair][16 keys][2]), the scores of up to KB keys stored, then
-// softmaxed online in AVX-512: a pass for each row's maximum, the 16 rows' rescale factors in one vector, a pass
-// for P = 2^(score x scale log2 e - top) (masked to each row's keys), P in bfloat16 as A tiles of 32 keys, V
-// packed as [key pair][dim][2], the outputs accumulated in four C tiles of 16 dims. Per block of KB keys the work
-// outside the passes is fixed, so KB is as large as keeps s and p in the L1 and L2 caches.
+// Per (query head, 16 queries): QK^T of 32 keys at a time (K packed per KV head as [16-key block][dim pair][16
+// keys][2]: an AMX B tile, or one vector of 16 keys' dim pair), the scores of up to KB keys stored, then softmaxed
+// online in AVX-512: a pass for each row's maximum, the 16 rows' rescale factors in one vector, a pass for P =
+// 2^(score x scale log2 e - top) (masked to each row's keys), P in bfloat16, V packed as [key pair][dim][2], the
+// outputs accumulated in float32 (four C tiles of 16 dims, or registers). Per block of KB keys the work outside
+// the passes is fixed, so KB is as large as keeps s and p in the L1 and L2 caches.
 
 #include <immintrin.h>
 #include <math.h>
@@ -24,11 +25,14 @@
 #define KB 512   // keys whose scores are softmaxed together
 #define ROWS 16  // queries a work item
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
 // The process's permission to use AMX tile data (Linux asks for it once): 0 when granted.
 int amx_permit(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+int uses_amx(void) { return 1; }
+static inline void release_tiles(void) { _tile_release(); }
 
 typedef struct __attribute__((packed)) {
     uint8_t palette_id, start_row, reserved[14];
@@ -47,6 +51,109 @@ static void configure_tiles(void) {  // eight tiles of 16 rows x 64 bytes
     __asm__ volatile("" : : "r"(&c) : "memory");  // gcc 12 drops the stores above without it
     _tile_loadconfig(&c);
 }
+
+// s[r][0..32) = the 16 queries' (rows of `queries`, [16][64]) products with the 32 keys of `block` (two 16-key
+// blocks of packed K); s's rows KB floats apart.
+static inline void score_32_keys(const uint16_t *queries, const uint16_t *block, float *s) {
+    _tile_loadd(0, queries, D * 2);
+    _tile_loadd(1, queries + 32, D * 2);
+    _tile_zero(2);
+    _tile_loadd(4, block, 64);
+    _tile_loadd(5, block + 16 * 32, 64);
+    _tile_dpbf16ps(2, 0, 4);
+    _tile_dpbf16ps(2, 1, 5);
+    _tile_stored(2, s, KB * 4);
+    _tile_zero(3);
+    _tile_loadd(4, block + 32 * 32, 64);  // the next 16 keys (zero past S: `padded` keys are packed)
+    _tile_loadd(5, block + 32 * 32 + 16 * 32, 64);
+    _tile_dpbf16ps(3, 0, 4);
+    _tile_dpbf16ps(3, 1, 5);
+    _tile_stored(3, s + 16, KB * 4);
+}
+
+// o [16][64] (float32; zeros first when `fresh`) += p [16][width] (bfloat16, rows KB apart) x the packed values
+// of those keys (`values`: [key pair][64][2]); width a multiple of 32.
+static inline void accumulate_values(const uint16_t *p, const uint16_t *values, int64_t width, float *o, int fresh) {
+    if (fresh) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+    } else {
+        _tile_loadd(4, o, D * 4);
+        _tile_loadd(5, o + 16, D * 4);
+        _tile_loadd(6, o + 32, D * 4);
+        _tile_loadd(7, o + 48, D * 4);
+    }
+    for (int64_t c = 0; c < width; c += 32) {
+        const uint16_t *at = values + (c / 2) * D * 2;
+        _tile_loadd(0, p + c, KB * 2);
+        _tile_loadd(1, at, D * 2 * 2);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(1, at + 32, D * 2 * 2);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(1, at + 64, D * 2 * 2);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(1, at + 96, D * 2 * 2);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, o, D * 4);
+    _tile_stored(5, o + 16, D * 4);
+    _tile_stored(6, o + 32, D * 4);
+    _tile_stored(7, o + 48, D * 4);
+}
+#else
+int amx_permit(void) { return 0; }  // no tiles here: nothing to ask Linux for
+int uses_amx(void) { return 0; }
+static inline void configure_tiles(void) {}
+static inline void release_tiles(void) {}
+
+static inline __m512bh pair_of(const uint16_t *at) { return (__m512bh)_mm512_set1_epi32(*(const int32_t *)at); }
+
+// As the AMX path's, in vdpbf16ps: 8 queries x 32 keys in 16 accumulators, a dim pair at a time (each query's
+// pair broadcast against two vectors of 16 keys' pair).
+static inline void score_32_keys(const uint16_t *queries, const uint16_t *block, float *s) {
+    for (int r0 = 0; r0 < ROWS; r0 += 8) {
+        __m512 acc[8][2];
+        for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int pair = 0; pair < D / 2; pair++) {
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512(block + pair * 32);
+            __m512bh k1 = (__m512bh)_mm512_loadu_si512(block + 32 * 32 + pair * 32);
+            for (int r = 0; r < 8; r++) {
+                __m512bh qr = pair_of(queries + (r0 + r) * D + 2 * pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
+            }
+        }
+        for (int r = 0; r < 8; r++) {
+            _mm512_store_ps(s + (r0 + r) * KB, acc[r][0]);
+            _mm512_store_ps(s + (r0 + r) * KB + 16, acc[r][1]);
+        }
+    }
+}
+
+// As the AMX path's: 4 rows x 64 dims in 16 accumulators, a key pair at a time (each row's P pair broadcast
+// against the pair's four vectors of 16 dims).
+static inline void accumulate_values(const uint16_t *p, const uint16_t *values, int64_t width, float *o, int fresh) {
+    for (int r0 = 0; r0 < ROWS; r0 += 4) {
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int d = 0; d < 4; d++)
+                acc[r][d] = fresh ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + 16 * d);
+        for (int64_t c = 0; c < width; c += 2) {
+            const uint16_t *at = values + (c / 2) * D * 2;
+            __m512bh v[4];
+            for (int d = 0; d < 4; d++) v[d] = (__m512bh)_mm512_loadu_si512(at + 32 * d);
+            for (int r = 0; r < 4; r++) {
+                __m512bh pr = pair_of(p + (r0 + r) * KB + c);
+                for (int d = 0; d < 4; d++) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pr, v[d]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int d = 0; d < 4; d++) _mm512_store_ps(o + (r0 + r) * D + 16 * d, acc[r][d]);
+    }
+}
+#endif
 
 // The first `open` of 16 lanes (none when open <= 0, all from 16).
 static inline __mmask16 first_lanes(int64_t open) {
@@ -77,23 +184,8 @@ static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *
     const __m512 to_log2 = _mm512_set1_ps(scale * LOG2_E), minus_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 <= last; j0 += KB) {
         int64_t width = 0;
-        _tile_loadd(0, queries, D * 2);
-        _tile_loadd(1, queries + 32, D * 2);
-        for (int64_t jb = j0; jb < j0 + KB && jb <= last; jb += 32, width += 32) {
-            const uint16_t *block = kt + (jb / 16) * 32 * 16 * 2;
-            _tile_zero(2);
-            _tile_loadd(4, block, 64);
-            _tile_loadd(5, block + 16 * 32, 64);
-            _tile_dpbf16ps(2, 0, 4);
-            _tile_dpbf16ps(2, 1, 5);
-            _tile_stored(2, s + (jb - j0), KB * 4);
-            _tile_zero(3);
-            _tile_loadd(4, block + 32 * 32, 64);  // the next 16 keys (zero past S: `padded` keys are packed)
-            _tile_loadd(5, block + 32 * 32 + 16 * 32, 64);
-            _tile_dpbf16ps(3, 0, 4);
-            _tile_dpbf16ps(3, 1, 5);
-            _tile_stored(3, s + (jb - j0) + 16, KB * 4);
-        }
+        for (int64_t jb = j0; jb < j0 + KB && jb <= last; jb += 32, width += 32)
+            score_32_keys(queries, kt + (jb / 16) * 32 * 16 * 2, s + (jb - j0));
         // each row sees the block's keys [0, open): open = its position - j0 + 1 (rows past T repeat the last)
         float block_top[ROWS] __attribute__((aligned(64))), block_sum[ROWS] __attribute__((aligned(64)));
         float alpha[ROWS] __attribute__((aligned(64)));
@@ -133,33 +225,7 @@ static void attend_block(const uint16_t *q, const uint16_t *kt, const uint16_t *
         }
         _mm512_store_ps(total, _mm512_fmadd_ps(_mm512_load_ps(total), _mm512_load_ps(alpha),
                                                _mm512_load_ps(block_sum)));
-        if (j0 == 0) {
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_zero(7);
-        } else {
-            _tile_loadd(4, o, D * 4);
-            _tile_loadd(5, o + 16, D * 4);
-            _tile_loadd(6, o + 32, D * 4);
-            _tile_loadd(7, o + 48, D * 4);
-        }
-        for (int64_t c = 0; c < width; c += 32) {
-            const uint16_t *values = vv + ((j0 + c) / 2) * D * 2;
-            _tile_loadd(0, p + c, KB * 2);
-            _tile_loadd(1, values, D * 2 * 2);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(1, values + 32, D * 2 * 2);
-            _tile_dpbf16ps(5, 0, 1);
-            _tile_loadd(1, values + 64, D * 2 * 2);
-            _tile_dpbf16ps(6, 0, 1);
-            _tile_loadd(1, values + 96, D * 2 * 2);
-            _tile_dpbf16ps(7, 0, 1);
-        }
-        _tile_stored(4, o, D * 4);
-        _tile_stored(5, o + 16, D * 4);
-        _tile_stored(6, o + 32, D * 4);
-        _tile_stored(7, o + 48, D * 4);
+        accumulate_values(p, vv + (j0 / 2) * D * 2, width, o, j0 == 0);
     }
     for (int64_t r = 0; r < rows; r++) {
         float inverse = 1.0f / total[r];
@@ -207,7 +273,7 @@ int prompt_attention(const uint16_t *q, const uint16_t *pool, int64_t pool_rows,
             int64_t h = item % heads, i0 = (item / heads) * ROWS;
             attend_block(q, kt + (h / group) * per_head, vv + (h / group) * per_head, T, S, heads, h, i0, scale, out);
         }
-        _tile_release();
+        release_tiles();
     }
     return 0;
 }

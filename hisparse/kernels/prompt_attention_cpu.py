@@ -1,20 +1,21 @@
-"""Causal attention of a prompt chunk over its context with AMX tiles (`prompt_attention_cpu.c`): bfloat16 Q, K, V,
-head dim 64, on CPUs with AMX (Sapphire Rapids on).
+"""Causal attention of a prompt chunk over its context (`prompt_attention_cpu.c`): bfloat16 Q, K, V, head dim 64,
+on CPUs with AVX512-BF16, its products in AMX tiles where the CPU has them (Sapphire Rapids on), else in
+vdpbf16ps dot products (AMD Zen 4 on).
 
-A 1536-token prompt's attention is about a third of its prefill here, and PyTorch's CPU flash kernel spends some
-65% of it outside its matrix products (the same scores over head dims 32 / 64 / 128 took 4.3 / 6.0 / 6.9 ms): the
-softmax's exponentials and its bookkeeping. This kernel multiplies in AMX tiles (QK^T of 16 queries by 32 keys,
-P V into four 16 x 16 float32 tiles) and softmaxes up to 512 keys' scores at a time, online across blocks
-(flash attention's running maximum and sum), with a polynomial exponential as precise as P's bfloat16 needs (to
-4e-5; with the decode kernel's float32 one and blocks of 256 keys, a 1536-token prompt's attention took 1.3x as
-long). The chunk's queries are the last T of the S positions, each seeing the keys up to its own: no mask is
-built, none is read.
+A 1536-token prompt's attention is a third to a half of its prefill, and PyTorch's CPU flash kernel spends much of
+it outside its matrix products (the same scores over head dims 32 / 64 / 128 took 4.3 / 6.0 / 6.9 ms): the
+softmax's exponentials and its bookkeeping, and with a mask every key block of every query. This kernel multiplies
+16 queries by 32 keys at a time (QK^T in two AMX C tiles, or 8 queries x 32 keys in 16 registers), softmaxes up to
+512 keys' scores at a time, online across blocks (flash attention's running maximum and sum), with a polynomial
+exponential as precise as P's bfloat16 needs (to 4e-5), and accumulates P V in float32. The chunk's queries are
+the last T of the S positions, each seeing the keys up to its own: no mask is built, none is read, and no block
+past a query tile's last position is computed.
 
-Products of bfloat16 values are exact in the tiles and summed in float32; P is rounded to bfloat16 for its product
-with V, as SDPA rounds it; the output is rounded once. K and V are repacked per call into the tiles' layouts.
+Products of bfloat16 values are exact and summed in float32; P is rounded to bfloat16 for its product with V, as
+SDPA rounds it; the output is rounded once. K and V are repacked per call into the products' layouts.
 
-Built on first use (`kernels.c_library`); `available()` is False without gcc, without the CPU's AMX flags, or
-where Linux refuses the process AMX state, and callers keep SDPA.
+Built on first use (`kernels.c_library`); `available()` is False without gcc, without the CPU's AVX-512 flags, or
+where Linux refuses the process AMX state on a CPU that has it, and callers keep SDPA.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ import torch
 from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary
 
 HEAD_DIM = 64  # the C file's
-REQUIRED_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512dq", "avx512_bf16")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_bf16")
 
 _LIBRARY = CLibrary(
     Path(__file__).with_suffix(".c"),
-    {"amx_permit": (INT, []),
+    {"amx_permit": (INT, []), "uses_amx": (INT, []),
      "prompt_attention": (INT, [POINTER, POINTER, INT64, POINTER, INT64, INT64, INT64, INT64, FLOAT, POINTER, INT])},
     "prompt attention runs SDPA", REQUIRED_FLAGS)
 _permitted: bool | None = None
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded and the process may use AMX tiles (asked of Linux once)."""
+    """Whether the kernel is built and loaded and, where it multiplies in AMX tiles, the process may use them
+    (asked of Linux once)."""
     global _permitted
     library = _LIBRARY.load()
     if library is None:
@@ -66,8 +68,8 @@ def prompt_attention(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, k
                          f"[N, 2 x {kv_heads} x {HEAD_DIM}] at int64 slots [S >= T], in CPU memory; got q "
                          f"{tuple(q.shape)} {q.dtype}, pool {tuple(pool.shape)} {pool.dtype}, slots "
                          f"{tuple(slots.shape)} {slots.dtype}")
-    if not available():  # also asks Linux for the AMX state, without which the tiles' instructions fault
-        raise RuntimeError("the AMX prompt attention is not available here (see prompt_attention_cpu.available)")
+    if not available():  # also asks Linux for any AMX state, without which the tiles' instructions fault
+        raise RuntimeError("the compiled prompt attention is not available here (see prompt_attention_cpu.available)")
     q, slots = q.contiguous(), slots.contiguous()
     t, heads, _ = q.shape
     out = torch.empty_like(q)

@@ -1,4 +1,4 @@
-"""The AMX prompt attention equals causal attention over the gathered rows (SDPA in float32 from the same bfloat16
+"""The compiled prompt attention equals causal attention over the gathered rows (SDPA in float32 from the same bfloat16
 values), whatever the chunk's length, its context, the heads and where the rows lie in the pool."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hisparse.attention.functional import causal_attention
 from hisparse.kernels import prompt_attention_cpu
 
-pytestmark = pytest.mark.skipif(not prompt_attention_cpu.available(), reason="no AMX here (or no gcc)")
+pytestmark = pytest.mark.skipif(not prompt_attention_cpu.available(), reason="no AVX512-BF16 here (or no gcc)")
 
 
 def pool_of(k: torch.Tensor, v: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
