@@ -3,8 +3,9 @@
 //
 // Per request: the queries are widened once; each valid row's K half is widened once and scored by every query
 // head (four heads' dot products summed across lanes together: a horizontal sum per head cost as much as the
-// products); each head's scores go through a softmax whose exponential is a polynomial; then the V halves,
-// TILE_ROWS valid rows at a time, are weighted into the outputs (each accumulator load and store serves the tile).
+// products), or, with AVX512-BF16, a bfloat16 query and row multiply in vdpbf16ps pairs straight from memory;
+// each head's scores go through a softmax whose exponential is a polynomial; then the V halves, TILE_ROWS valid
+// rows at a time, are weighted into the outputs (each accumulator load and store serves the tile).
 // With AVX-512 and head dims in sixteens the loops are intrinsics; otherwise plain loops of the same arithmetic.
 // A request's query heads may be split between threads (when requests are fewer than threads): each head's
 // arithmetic is the same whichever heads share its call, so the outputs do not depend on the split.
@@ -48,6 +49,39 @@ static inline __m128 four_dots(const float *q0, const float *q1, const float *q2
         a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), _mm512_loadu_ps(k3 + d), a3);
     }
     return lane_sums4(a0, a1, a2, a3);
+}
+#endif
+
+#if defined(AVX512_PATHS) && defined(__AVX512BF16__)
+#define BF16_DOTS 1
+// As four_dots, of bfloat16 queries and keys ([dim] each, dim a multiple of 32) read where they lie: vdpbf16ps
+// multiplies their pairs exactly and sums them in float32.
+static inline __m128 four_bf16_dots(const uint16_t *q0, const uint16_t *q1, const uint16_t *q2, const uint16_t *q3,
+                                    const uint16_t *k0, const uint16_t *k1, const uint16_t *k2, const uint16_t *k3,
+                                    int64_t dim) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 32) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q0 + d), (__m512bh)_mm512_loadu_si512(k0 + d));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(q1 + d), (__m512bh)_mm512_loadu_si512(k1 + d));
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(q2 + d), (__m512bh)_mm512_loadu_si512(k2 + d));
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(q3 + d), (__m512bh)_mm512_loadu_si512(k3 + d));
+    }
+    return lane_sums4(a0, a1, a2, a3);
+}
+
+// As score_row, for bfloat16 queries and keys read where they lie (no widening).
+static void score_row_bf16(const uint16_t *queries, const uint16_t *keys, int64_t heads, int64_t group,
+                           int64_t phase, int64_t dim, float scale, float *scores, int64_t stride, int64_t j) {
+    for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
+        int64_t h[4];
+        for (int t = 0; t < 4; t++) h[t] = i + t < heads ? i + t : heads - 1;
+        float four[4];
+        _mm_storeu_ps(four, four_bf16_dots(queries + h[0] * dim, queries + h[1] * dim, queries + h[2] * dim,
+                                           queries + h[3] * dim, keys + ((phase + h[0]) / group) * dim,
+                                           keys + ((phase + h[1]) / group) * dim, keys + ((phase + h[2]) / group) * dim,
+                                           keys + ((phase + h[3]) / group) * dim, dim));
+        for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
+    }
 }
 #endif
 
@@ -141,6 +175,9 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     float queries[heads * dim], acc[heads * dim], keys[half_values], tile[TILE_ROWS * half_values];
     float weights[TILE_ROWS][64];
     widen(q + first * dim * q_element, q_bf16, heads * dim, queries);
+#ifdef BF16_DOTS
+    int dots = pool_bf16 && q_bf16 && dim % 32 == 0;  // bfloat16 pairs straight from the query and the row
+#endif
     float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
     if (!scores) return 2;
     int64_t valid = 0;
@@ -152,7 +189,15 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
             continue;
         }
         valid++;
-        widen(pool + rows[j] * 2 * half_bytes + skip, pool_bf16, half_values, keys);
+        const char *key_half = pool + rows[j] * 2 * half_bytes + skip;
+#ifdef BF16_DOTS
+        if (dots) {
+            score_row_bf16((const uint16_t *)(q + first * dim * 2), (const uint16_t *)key_half, heads, group, phase,
+                           dim, scale, scores, length, j);
+            continue;
+        }
+#endif
+        widen(key_half, pool_bf16, half_values, keys);
         score_row(queries, keys, heads, group, phase, dim, scale, scores, length, j);
     }
     float inverse[heads];

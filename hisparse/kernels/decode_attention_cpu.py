@@ -7,8 +7,9 @@ long queries, not one query per request (isolated, with the caches flushed, gath
 for 16 requests x 257 bfloat16 rows, the first version of this kernel 0.9; gather + two batched matmuls,
 39.6 ms for 30 layers against that version's 25.1). Here each row is read where it lies, prefetched a few
 rows ahead and widened to float32 as it is read (a bfloat16 is the top 16 bits of a float32): each row's K
-half is widened once and scored by every query head; then the softmax; then the V halves, four rows at a time,
-are weighted into the output (each accumulator load and store serves the four).
+half is widened once and scored by every query head (with AVX512-BF16, a bfloat16 row and query multiply in
+vdpbf16ps pairs where they lie instead: no widening, half the instructions); then the softmax; then the V
+halves, four rows at a time, are weighted into the output (each accumulator load and store serves the four).
 
 The query heads are scored four at a time, their dot products summed across lanes together (a horizontal sum
 per head costs as much as the products), and the softmax's exponential is a vectorized polynomial. With fewer
@@ -63,7 +64,8 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     request's heads contiguous: the model's slice of its rotated heads is read in place) with Hq a multiple of
     Hkv (query head h reads KV head h // (Hq / Hkv)), at most 64 of them. A bfloat16 q is widened and the output
     rounded to bfloat16 (to nearest even, as `.to` does) inside the kernel: at one token the conversions around
-    it cost more than the attention. A request without rows gets zeros.
+    it cost more than the attention (over a bfloat16 pool with AVX512-BF16, multiplied as bfloat16 pairs, its
+    products exact and summed in float32). A request without rows gets zeros.
     """
     if not (pool.is_cpu and rows.is_cpu and q.is_cpu):
         raise ValueError("sparse_decode_attention reads CPU memory: pool, rows and q must be CPU tensors")

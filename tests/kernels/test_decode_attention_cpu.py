@@ -56,20 +56,28 @@ def test_matches_gather_and_sdpa(batch, length, heads, dtype, q_dtype, parallel,
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_bfloat16_query_is_read_in_place_and_rounded_as_to_does(parallel):
-    """A bfloat16 q, a strided slice of the model's rotated heads as the model passes it: the kernel's own
-    widening and rounding give the very bits of widening first and rounding the float32 output with `.to`."""
+    """A bfloat16 q, a strided slice of the model's rotated heads as the model passes it: read in place, it gives
+    the very bits of the same query made contiguous. Over a float32 pool the kernel's own widening and rounding
+    give the very bits of widening first and rounding the float32 output with `.to`; over a bfloat16 pool (where
+    AVX512-BF16 multiplies bfloat16 pairs) it stays within bfloat16's rounding of that."""
     torch.manual_seed(0)
-    pool = torch.randn(300, 2 * 3 * 64).bfloat16()
+    pool = torch.randn(300, 2 * 3 * 64)
     rows = torch.randint(0, 300, (4, 50))
     rows[1, ::3] = -1
     heads = torch.randn(4, 12, 64).bfloat16()  # 9 query heads, then 3 key heads, as the model rotates them
     q = heads[:, :9]
     assert not q.is_contiguous()
     with patch.object(decode_attention_cpu, "PARALLEL_MIN_ROWS", 0 if parallel else 1 << 60):
-        got = sparse_decode_attention(pool, rows, q, 0.125, 3, 64)
-        want = sparse_decode_attention(pool, rows, q.float(), 0.125, 3, 64).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        for dtype in (torch.float32, torch.bfloat16):
+            got = sparse_decode_attention(pool.to(dtype), rows, q, 0.125, 3, 64)
+            contiguous = sparse_decode_attention(pool.to(dtype), rows, q.contiguous(), 0.125, 3, 64)
+            widened = sparse_decode_attention(pool.to(dtype), rows, q.float(), 0.125, 3, 64).to(torch.bfloat16)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got.view(torch.int16), contiguous.view(torch.int16))
+            if dtype == torch.float32:
+                assert torch.equal(got.view(torch.int16), widened.view(torch.int16))
+            else:
+                torch.testing.assert_close(got.float(), widened.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("heads", [(3, 3, 64), (2, 3, 8), (1, 5, 16), (4, 1, 16)])
