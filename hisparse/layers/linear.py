@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hisparse.kernels import block_matmul_cpu
+from hisparse.kernels.c_library import cpu_flags
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 from hisparse.kernels.weight_only_matmul import (
     Int4Weight,
@@ -38,9 +39,11 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and Q8_0) for every weight it multiplies
 # (`rounds_x`): int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 / 32-35 / 39-41 ms against
 # 28 / 30 / 36 / 41-42 on the packed weights; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 / 2.46 / 3.28
-# ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47.
+# ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47. Without AMX (AMD EPYC, bfloat16 in
+# AVX512-BF16) the packed weights multiply far slower: the block kernel's whole int4 / Q8_0 stack took 0.87 / 0.81x
+# their time at batch 32, 0.91 / 0.85x at 64 and 0.97 / 0.89x at 128.
 DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
-VNNI_DENSE_FROM = 32
+VNNI_DENSE_FROM = 32 if {"amx_tile", "amx_bf16"} <= cpu_flags() else 128
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
