@@ -39,16 +39,13 @@ static void widen(const void *src, int bf16, int64_t n, float *dst) {
 #ifdef AVX512_PATHS
 // The dot products of four queries with four keys (float32 [dim] each, dim a multiple of 16), summed across
 // their lanes together: [4].
-static inline __m128 four_dots(const float *q0, const float *q1, const float *q2, const float *q3, const float *k0,
-                               const float *k1, const float *k2, const float *k3, int64_t dim) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < dim; d += 16) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), _mm512_loadu_ps(k0 + d), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), _mm512_loadu_ps(k1 + d), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + d), _mm512_loadu_ps(k2 + d), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), _mm512_loadu_ps(k3 + d), a3);
-    }
-    return lane_sums4(a0, a1, a2, a3);
+static inline __m128 four_dots(const char *const q[4], const char *const k[4], int64_t dim) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < dim; d += 16)
+        for (int t = 0; t < 4; t++)  // four independent chains
+            a[t] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)q[t] + d), _mm512_loadu_ps((const float *)k[t] + d),
+                                   a[t]);
+    return lane_sums4(a[0], a[1], a[2], a[3]);
 }
 #endif
 
@@ -56,32 +53,13 @@ static inline __m128 four_dots(const float *q0, const float *q1, const float *q2
 #define BF16_DOTS 1
 // As four_dots, of bfloat16 queries and keys ([dim] each, dim a multiple of 32) read where they lie: vdpbf16ps
 // multiplies their pairs exactly and sums them in float32.
-static inline __m128 four_bf16_dots(const uint16_t *q0, const uint16_t *q1, const uint16_t *q2, const uint16_t *q3,
-                                    const uint16_t *k0, const uint16_t *k1, const uint16_t *k2, const uint16_t *k3,
-                                    int64_t dim) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < dim; d += 32) {
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q0 + d), (__m512bh)_mm512_loadu_si512(k0 + d));
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(q1 + d), (__m512bh)_mm512_loadu_si512(k1 + d));
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(q2 + d), (__m512bh)_mm512_loadu_si512(k2 + d));
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(q3 + d), (__m512bh)_mm512_loadu_si512(k3 + d));
-    }
-    return lane_sums4(a0, a1, a2, a3);
-}
-
-// As score_row, for bfloat16 queries and keys read where they lie (no widening).
-static void score_row_bf16(const uint16_t *queries, const uint16_t *keys, int64_t heads, int64_t group,
-                           int64_t phase, int64_t dim, float scale, float *scores, int64_t stride, int64_t j) {
-    for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
-        int64_t h[4];
-        for (int t = 0; t < 4; t++) h[t] = i + t < heads ? i + t : heads - 1;
-        float four[4];
-        _mm_storeu_ps(four, four_bf16_dots(queries + h[0] * dim, queries + h[1] * dim, queries + h[2] * dim,
-                                           queries + h[3] * dim, keys + ((phase + h[0]) / group) * dim,
-                                           keys + ((phase + h[1]) / group) * dim, keys + ((phase + h[2]) / group) * dim,
-                                           keys + ((phase + h[3]) / group) * dim, dim));
-        for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
-    }
+static inline __m128 four_bf16_dots(const char *const q[4], const char *const k[4], int64_t dim) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < dim; d += 32)
+        for (int t = 0; t < 4; t++)
+            a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512((const uint16_t *)q[t] + d),
+                                    (__m512bh)_mm512_loadu_si512((const uint16_t *)k[t] + d));
+    return lane_sums4(a[0], a[1], a[2], a[3]);
 }
 #endif
 
@@ -93,25 +71,33 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
 
 // scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i of
 // the call; query head i reads KV head (phase + i) / group of `keys` (phase: the first head's place in its group).
-static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t phase,
+// Queries and keys are float32, or with `bf16` (BF16_DOTS, dim a multiple of 32) bfloat16 read where they lie.
+static void score_row(const void *queries, const void *keys, int bf16, int64_t heads, int64_t group, int64_t phase,
                       int64_t dim, float scale, float *scores, int64_t stride, int64_t j) {
 #ifdef AVX512_PATHS
     if (dim % 16 == 0) {
+        int64_t element = bf16 ? 2 : 4;
         for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
-            int64_t h[4];
-            for (int t = 0; t < 4; t++) h[t] = i + t < heads ? i + t : heads - 1;
+            const char *q[4], *k[4];
+            for (int t = 0; t < 4; t++) {
+                int64_t h = i + t < heads ? i + t : heads - 1;
+                q[t] = (const char *)queries + h * dim * element;
+                k[t] = (const char *)keys + ((phase + h) / group) * dim * element;
+            }
             float four[4];
-            _mm_storeu_ps(four, four_dots(queries + h[0] * dim, queries + h[1] * dim, queries + h[2] * dim,
-                                          queries + h[3] * dim, keys + ((phase + h[0]) / group) * dim,
-                                          keys + ((phase + h[1]) / group) * dim, keys + ((phase + h[2]) / group) * dim,
-                                          keys + ((phase + h[3]) / group) * dim, dim));
+#ifdef BF16_DOTS
+            if (bf16) _mm_storeu_ps(four, four_bf16_dots(q, k, dim));
+            else
+#endif
+                _mm_storeu_ps(four, four_dots(q, k, dim));
             for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
         }
         return;
     }
 #endif
     for (int64_t i = 0; i < heads; i++)
-        scores[i * stride + j] = dot(queries + i * dim, keys + ((phase + i) / group) * dim, dim) * scale;
+        scores[i * stride + j] = dot((const float *)queries + i * dim, (const float *)keys + ((phase + i) / group) * dim,
+                                     dim) * scale;
 }
 
 // s[0..n) <- e^(s - max s); returns their sum.
@@ -177,6 +163,8 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     widen(q + first * dim * q_element, q_bf16, heads * dim, queries);
 #ifdef BF16_DOTS
     int dots = pool_bf16 && q_bf16 && dim % 32 == 0;  // bfloat16 pairs straight from the query and the row
+#else
+    int dots = 0;
 #endif
     float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
     if (!scores) return 2;
@@ -190,15 +178,12 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
         }
         valid++;
         const char *key_half = pool + rows[j] * 2 * half_bytes + skip;
-#ifdef BF16_DOTS
         if (dots) {
-            score_row_bf16((const uint16_t *)(q + first * dim * 2), (const uint16_t *)key_half, heads, group, phase,
-                           dim, scale, scores, length, j);
+            score_row(q + first * dim * 2, key_half, 1, heads, group, phase, dim, scale, scores, length, j);
             continue;
         }
-#endif
         widen(key_half, pool_bf16, half_values, keys);
-        score_row(queries, keys, heads, group, phase, dim, scale, scores, length, j);
+        score_row(queries, keys, 0, heads, group, phase, dim, scale, scores, length, j);
     }
     float inverse[heads];
     for (int64_t i = 0; i < heads; i++) inverse[i] = valid ? 1.0f / softmax_numerators(scores + i * length, length) : 0.0f;
