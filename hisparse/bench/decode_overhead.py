@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[EngineConfig, ModelFiles]:
+def check_args(parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> tuple[EngineConfig, ModelFiles, int]:
     """What the flags can get wrong, found before the model loads (each of these failed after loading, some
-    after the warm-up too). Returns the HiSparse engine's config and the opened model."""
+    after the warm-up too). Returns the HiSparse engine's config, the opened model and each request's max_tokens."""
     if args.policies is not None and len(args.policies) != 2:
         parser.error("--policies takes two eviction policies, e.g. lru,lrfu")
     if args.policies is not None and args.compare_indexer_kernels:
@@ -120,16 +121,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
 
     # The flags' own length first, then what the batch adds: the first requests decode while the others prefill.
     refuse_past_limits(args.context + args.steps + 1, "--context + --steps + 1")
-    refuse_past_limits(args.context + args.steps + 1 + prefill_steps(args.batch, args.context,
-                                                                     hisparse.chunked_prefill_size),
-                       "--context + --steps + 1 + the steps the batch's prefill takes")
-    return hisparse, files
+    max_tokens = args.steps + 1 + prefill_steps(args.batch, args.context, hisparse.chunked_prefill_size)
+    refuse_past_limits(args.context + max_tokens, "--context + --steps + 1 + the steps the batch's prefill takes")
+    return hisparse, files, max_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    hisparse, files = check_args(parser, args)
+    hisparse, files, max_tokens = check_args(parser, args)
     policies = args.policies
 
     model, tokenizer = load_llama(files, dtype=resolve_model_dtype()), files.tokenizer()
@@ -149,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("this model's indexer keys are not int8 rows on the CPU: no compiled kernels to compare")
         selector.compiled_scores = selector.compiled_top_k = False
     buffer = hisparse.hisparse_config.device_buffer_size
-    max_tokens = args.steps + 1 + prefill_steps(args.batch, args.context, hisparse.chunked_prefill_size)
     for config in configs.values():  # a context past the buffer, so that the swap-in compiles too
         warm_up(config, model, tokenizer, prompts[0][:buffer + 16])
     seconds: dict[str, list[float]] = {name: [] for name in engines}

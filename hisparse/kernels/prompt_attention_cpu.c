@@ -31,7 +31,6 @@
 
 // The process's permission to use AMX tile data (Linux asks for it once): 0 when granted.
 int amx_permit(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-int uses_amx(void) { return 1; }
 static inline void release_tiles(void) { _tile_release(); }
 
 typedef struct __attribute__((packed)) {
@@ -104,7 +103,6 @@ static inline void accumulate_values(const uint16_t *p, const uint16_t *values, 
 }
 #else
 int amx_permit(void) { return 0; }  // no tiles here: nothing to ask Linux for
-int uses_amx(void) { return 0; }
 static inline void configure_tiles(void) {}
 static inline void release_tiles(void) {}
 

@@ -31,7 +31,7 @@ REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_bf16")
 
 _LIBRARY = CLibrary(
     Path(__file__).with_suffix(".c"),
-    {"amx_permit": (INT, []), "uses_amx": (INT, []),
+    {"amx_permit": (INT, []),
      "prompt_attention": (INT, [POINTER, POINTER, INT64, POINTER, INT64, INT64, INT64, INT64, FLOAT, POINTER, INT])},
     "prompt attention runs SDPA", REQUIRED_FLAGS)
 _permitted: bool | None = None
