@@ -5,7 +5,7 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   runs up to twice as fast as `F.linear`'s `x @ W.T` at batch 8-32; in bfloat16 a transposed view of an
   [out, in] row-major tensor, the layout oneDNN's bfloat16 kernels want), for prompt chunks; the nn.Linear
   parameters are views of it, so training and tests still see ordinary modules;
-- in bfloat16, the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for decode batches;
+- the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for decode batches and short chunks;
 - quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH`, where reading 8 or 4 bits
   instead of 16 is what counts; from there on the kernel's in-register dequantization costs more than the
   bytes it saves. The dense forms then hold the *dequantized* weights, so every path multiplies by the same
@@ -64,7 +64,7 @@ class InferenceWeight:
 
     quantization: "none", "int8" (per output channel), "int4" (Q4_1's groups of 32; a shape the int4 kernel
     cannot pack falls back to int8) or "q8_0" (see above). Batches from `dense_from` on multiply by the dense
-    weights, prepacked for oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 on a CPU)."""
+    weights, prepacked for oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 or float32 on a CPU)."""
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None,
                  round_x_twice: bool = False) -> None:

@@ -57,13 +57,15 @@ def test_a_constant_group_and_an_unpackable_shape():
         quantize_int4(torch.zeros(10, INT4_GROUP), torch.float32)
 
 
-def test_packed_matmul_matches_the_plain_one():
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-2), (torch.float32, 1e-6)])
+def test_packed_matmul_matches_the_plain_one(dtype, tolerance):
     from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 
-    weight = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
+    weight = (torch.randn(96, 128) * 0.05).to(dtype)
     if not packing_available(weight):
-        pytest.skip("oneDNN's bfloat16 packing is not available here")
+        pytest.skip("oneDNN's packing is not available here")
     for batch in (1, 9, 200):
-        x = torch.randn(batch, 128).to(torch.bfloat16)
-        got, want = packed_matmul(x, pack_weight(weight)).float(), (x @ weight.t()).float()
-        assert ((got - want).norm() / want.norm()).item() < 1e-2
+        x = torch.randn(batch, 128).to(dtype)
+        got, want = packed_matmul(x, pack_weight(weight)), x @ weight.t()
+        assert got.dtype == dtype and got.shape == (batch, 96)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tolerance
