@@ -38,23 +38,25 @@ def test_logits_match_transformers(llama, hf_model, ids):
 
 def test_permutation_matters(llama, hf_model):
     """Without undoing llama.cpp's Q/K permutation the model is measurably different."""
+    from hisparse.layers.linear import InferenceWeight
     from hisparse.models.gguf_loader import unpermute_rope_rows
 
     ids = PROMPTS[1]
     layer = llama.layers[0].attn
-    saved = layer.qkv.t
+    saved = layer.qkv
     q = layer.q_proj.weight.numpy()
     # Re-apply the permutation (its inverse is the same reshape read the other way round).
     heads, half = llama.config.num_heads, llama.config.head_dim // 2
     permuted = q.reshape(heads, 2, half, -1).swapaxes(1, 2).reshape(q.shape)
     assert torch.equal(torch.from_numpy(unpermute_rope_rows(permuted, heads)), layer.q_proj.weight)
-    layer.qkv.t = torch.cat([torch.from_numpy(permuted).t(), saved[:, q.shape[0]:]], 1)
+    # A whole new weight: every form of it (plain, packed) holds the permuted rows.
+    layer.qkv = InferenceWeight(torch.cat([torch.from_numpy(permuted), saved.t[:, q.shape[0]:].t()]))
     try:
         with torch.no_grad():
             theirs = hf_model(torch.tensor([ids])).logits[0]
         assert relative_error(our_logits(llama, ids), theirs) > 1e-2
     finally:
-        layer.qkv.t = saved
+        layer.qkv = saved
 
 
 def test_greedy_64_tokens_match_transformers(llama, hf_model):
