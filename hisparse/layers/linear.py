@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hisparse.kernels import block_matmul_cpu
-from hisparse.kernels.c_library import cpu_flags
+from hisparse.kernels.c_library import autograd_records, cpu_flags
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 from hisparse.kernels.weight_only_matmul import (
     Int4Weight,
@@ -47,7 +47,10 @@ VNNI_DENSE_FROM = 32 if {"amx_tile", "amx_bf16"} <= cpu_flags() else 128
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
-PACKED_UP_TO_BATCH = 320  # larger batches (long prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`)
+# Larger bfloat16 batches (long prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`); float32 ones
+# stay packed, MKL's sgemm being the slower at every batch measured (a 1536-token prefill on an AMD EPYC: 2.92
+# against 3.48 s).
+PACKED_UP_TO_BATCH = {torch.bfloat16: 320, torch.float32: None}
 
 
 def linear_kind(quantization: str) -> str:
@@ -64,7 +67,7 @@ class InferenceWeight:
 
     quantization: "none", "int8" (per output channel), "int4" (Q4_1's groups of 32; a shape the int4 kernel
     cannot pack falls back to int8) or "q8_0" (see above). Batches from `dense_from` on multiply by the dense
-    weights, prepacked for oneDNN up to PACKED_UP_TO_BATCH tokens where it can (bfloat16 or float32 on a CPU)."""
+    weights, prepacked for oneDNN where it can (bfloat16 or float32 on a CPU; bfloat16 up to PACKED_UP_TO_BATCH)."""
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None,
                  round_x_twice: bool = False) -> None:
@@ -89,6 +92,7 @@ class InferenceWeight:
             self.dense_from = dense_from or own
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
         self.packed = pack_weight(weight) if packing_available(weight) else None
+        self.packed_up_to = PACKED_UP_TO_BATCH.get(weight.dtype)
 
     @classmethod
     def fused(cls, *linears: nn.Linear, quantization: str = "none", round_x_twice: bool = False) -> InferenceWeight:
@@ -106,6 +110,7 @@ class InferenceWeight:
         batch = x.shape[0]
         if batch < self.dense_from:
             return weight_only_matmul(x, self.quantized, self.round_x_twice)
-        if self.packed is not None and batch <= PACKED_UP_TO_BATCH:
+        if (self.packed is not None and (self.packed_up_to is None or batch <= self.packed_up_to)
+                and not autograd_records(x)):  # oneDNN's packed matmul has no backward
             return packed_matmul(x, self.packed)
         return x @ self.t

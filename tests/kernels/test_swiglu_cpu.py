@@ -57,6 +57,7 @@ def test_the_mlp_uses_the_kernel_where_nothing_records_gradients(llama_bf16, mon
         want = mlp.down_proj(torch_swiglu(torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)))
     assert len(calls) == 1
     assert torch.allclose(out.float(), want.float(), rtol=0.02, atol=0.02)
-    long = torch.randn(PACKED_UP_TO_BATCH + 1, mlp.gate_proj.in_features).bfloat16().requires_grad_(True)
+    long = torch.randn(PACKED_UP_TO_BATCH[torch.bfloat16] + 1, mlp.gate_proj.in_features).bfloat16()
+    long.requires_grad_(True)
     mlp(long).float().sum().backward()  # the plain weights' matmul records: PyTorch's path, gradients flow
     assert long.grad is not None and len(calls) == 1

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from torch import nn
 
+from hisparse.layers import linear as linear_module
 from hisparse.layers.linear import InferenceWeight
 
 
@@ -41,3 +44,19 @@ def test_int4_falls_back_to_int8_where_it_cannot_pack_and_bad_kinds_are_refused(
     assert InferenceWeight(odd.weight, "int4").kind == "int8"
     with pytest.raises(ValueError, match="quantization must be one of"):
         InferenceWeight(odd.weight, "int3")
+
+
+def test_inputs_that_record_gradients_take_the_plain_weights():
+    """oneDNN's packed matmul has no backward: where autograd records, the plain tensor multiplies, and gradients
+    reach x; without it the packed weights serve (float32 at any batch)."""
+    weight = torch.randn(32, 64)
+    linear = InferenceWeight(weight)
+    if linear.packed is None:
+        pytest.skip("oneDNN's packing is not available here")
+    x = torch.randn(3, 64, requires_grad=True)
+    linear(x).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(3, -1))
+    calls = []
+    with torch.no_grad(), patch.object(linear_module, "packed_matmul", lambda *a: calls.append(1) or torch.zeros(1)):
+        linear(torch.randn(1000, 64))
+    assert calls == [1]
