@@ -160,12 +160,12 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     int64_t half_bytes = kv_heads * dim * element, half_values = kv_used * dim, skip = kv_first * dim * element;
     float queries[heads * dim], acc[heads * dim], keys[half_values], tile[TILE_ROWS * half_values];
     float weights[TILE_ROWS][64];
-    widen(q + first * dim * q_element, q_bf16, heads * dim, queries);
 #ifdef BF16_DOTS
     int dots = pool_bf16 && q_bf16 && dim % 32 == 0;  // bfloat16 pairs straight from the query and the row
 #else
     int dots = 0;
 #endif
+    if (!dots) widen(q + first * dim * q_element, q_bf16, heads * dim, queries);
     float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
     if (!scores) return 2;
     int64_t valid = 0;

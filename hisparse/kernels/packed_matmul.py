@@ -4,8 +4,8 @@
 at small batch then reads each weight twice and writes it once. Packed once at load, the default model's whole
 stack of linears takes about two thirds of the time at batch 1 to 32 on our CPU (AMX), three quarters at 128 to
 256 tokens; from about 384 tokens the plain tensor is faster, so a caller keeps both
-(`layers.linear.InferenceWeight`). In float32 a plain tensor goes to MKL's sgemm instead, which on an AMD EPYC
-took 1.3x (batch 1) to 2.8x (batch 4) the packed weights' time over the same stack, and 1.4x at 128 to 320 tokens.
+(`layers.linear.InferenceWeight`). In float32 a plain tensor goes to MKL's sgemm instead, slower than the packed
+weights at every batch measured.
 The reference is the plain matmul.
 """
 

@@ -1,11 +1,12 @@
 """A linear layer's weight as inference multiplies by it: dense, or weight-only quantized (`--quantization`).
 
 Three forms of the same numbers, each where it is fastest on a CPU:
-- the plain dense tensor, used as `x @ w` with w [in, out] (in float32 stored [in, out] row-major, which BLAS
-  runs up to twice as fast as `F.linear`'s `x @ W.T` at batch 8-32; in bfloat16 a transposed view of an
-  [out, in] row-major tensor, the layout oneDNN's bfloat16 kernels want), for prompt chunks; the nn.Linear
-  parameters are views of it, so training and tests still see ordinary modules;
-- the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for decode batches and short chunks;
+- the plain dense tensor, used as `x @ w` with w [in, out] (in float32 stored [in, out] row-major; in bfloat16 a
+  transposed view of an [out, in] row-major tensor, the layout oneDNN's bfloat16 kernels want), for long bfloat16
+  prompt chunks and for inputs that record gradients; the nn.Linear parameters are views of it, so training and
+  tests still see ordinary modules;
+- the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for everything else: decode batches and
+  short chunks in bfloat16, every batch in float32;
 - quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH`, where reading 8 or 4 bits
   instead of 16 is what counts; from there on the kernel's in-register dequantization costs more than the
   bytes it saves. The dense forms then hold the *dequantized* weights, so every path multiplies by the same
