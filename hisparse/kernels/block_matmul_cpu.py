@@ -30,6 +30,7 @@ HISPARSE_DISABLE_VNNI=1, `available()` is False and callers keep PyTorch's kerne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,13 +93,27 @@ def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fo
     """x [B, K] (float32 or bfloat16) @ W.T -> [B, N] in x's dtype, x rounded per block (`round_per_block`); W is
     `packed` and `scales` as `pack_q4_1` (scales in x's dtype) or `pack_q8_0` (float32) made them, `format` "q4_1" or
     "q8_0". round_x_twice: what the rounding left of x is rounded and multiplied too, for twice the products."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], packed.shape[0] * ROWS, dtype=x.dtype)
+    call = bind_block_matmul(x, packed, scales, format, out, round_x_twice)
+    if x.shape[0]:
+        call()
+    return out
+
+
+def bind_block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, format: str, out: torch.Tensor,
+                      round_x_twice: bool = False) -> Callable[[], None]:
+    """`block_matmul` into out [B, N] as a call checked once, for a caller that multiplies the same buffers every
+    step; x [B, K] and out contiguous, in x's dtype."""
     library = _LIBRARY.load()
     if library is None:
         raise RuntimeError("the block matmul kernel is not available on this machine (see block_matmul_cpu.available)")
     groups, blocks, width = packed.shape
     n, k = groups * ROWS, blocks * BLOCK
-    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be [B, {k}] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"x must be [B, {k}] float32 or bfloat16, contiguous, got {tuple(x.shape)} {x.dtype}")
+    if out.shape != (x.shape[0], n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [{x.shape[0]}, {n}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     q4_1 = format == "q4_1"
     want = ((groups, blocks, 2, ROWS), x.dtype, 4 * ROWS * 4) if q4_1 else ((groups, blocks, ROWS), torch.float32,
                                                                            8 * ROWS * 4)
@@ -106,14 +121,14 @@ def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fo
             or scales.shape != want[0] or scales.dtype != want[1] or not scales.is_contiguous()):
         raise ValueError(f"a {format} weight is contiguous uint8 [N / {ROWS}, K / {BLOCK}, {want[2]}] with scales "
                          f"{list(want[0])} {want[1]}, as its pack function makes them")
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
-    if library.block_matmul(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
-                            x.dtype == torch.bfloat16, FORMATS[format], round_x_twice):
-        raise MemoryError("the block matmul kernel could not allocate its rounded copy of x")
-    return out
+    arguments = (x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
+                 x.dtype == torch.bfloat16, FORMATS[format], round_x_twice)
+    function = library.block_matmul
+
+    def call() -> None:
+        if function(*arguments):
+            raise MemoryError("the block matmul kernel could not allocate its rounded copy of x")
+    return call
 
 
 def round_per_block(x: torch.Tensor, twice: bool = False) -> torch.Tensor:

@@ -13,6 +13,8 @@ keeps PyTorch's ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,20 +37,27 @@ def indexer_key(projected: torch.Tensor, start: int, weight: torch.Tensor, bias:
 
     projected [N, W] bfloat16 or float32 rows; weight, bias [D] float32 (the LayerNorm's); cos, sin [N, 1, D]
     float32, a `HalfSplitRotation`'s factors over its 2 * half rotated dims. All in CPU memory."""
+    projected, weight, bias, cos, sin = (t.contiguous() for t in (projected, weight, bias, cos, sin))
+    out = torch.empty(projected.shape[0] if projected.dim() else 0, weight.shape[0])
+    bind_indexer_key(projected, start, weight, bias, eps, cos, sin, half, out)()
+    return out
+
+
+def bind_indexer_key(projected: torch.Tensor, start: int, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, half: int, out: torch.Tensor) -> Callable[[], None]:
+    """`indexer_key` into out [N, D] float32 as a call checked once, for a caller that runs it on the same buffers
+    every step; every tensor contiguous."""
     dim, float32 = weight.shape[0], torch.float32
     n, width = projected.shape if projected.dim() == 2 else (-1, -1)
+    tensors = (projected, weight, bias, cos, sin, out)
     if (width < 0 or not 0 < dim <= MAX_DIM or projected.dtype not in _ROW_DTYPES or start < 0 or start + dim > width
             or bias.shape != weight.shape or cos.shape != (n, 1, dim) or sin.shape != cos.shape
-            or not 0 <= 2 * half <= dim
-            or weight.dtype != float32 or bias.dtype != float32 or cos.dtype != float32 or sin.dtype != float32
-            or not (projected.is_cpu and weight.is_cpu and bias.is_cpu and cos.is_cpu and sin.is_cpu)):
+            or not 0 <= 2 * half <= dim or out.shape != (n, dim)
+            or any(t.dtype != float32 for t in (weight, bias, cos, sin, out))
+            or not all(t.is_cpu and t.is_contiguous() for t in tensors)):
         raise ValueError(f"indexer_key takes rows [N, >= {start + dim}] (bfloat16 or float32), a float32 LayerNorm "
                          f"of {dim} (1 to {MAX_DIM}) and float32 cos, sin [N, 1, {dim}] over at most {dim} rotated "
-                         f"dims, in CPU memory")
-    projected, weight, bias, cos, sin = (projected.contiguous(), weight.contiguous(), bias.contiguous(),
-                                         cos.contiguous(), sin.contiguous())
-    out = torch.empty(n, dim)
-    _LIBRARY.load().indexer_key(projected.data_ptr(), width, start, projected.dtype == torch.bfloat16,
-                                weight.data_ptr(), bias.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), half,
-                                out.data_ptr(), n, dim)
-    return out
+                         f"dims, writing float32 [N, {dim}], all contiguous in CPU memory")
+    return partial(_LIBRARY.load().indexer_key, projected.data_ptr(), width, start, projected.dtype == torch.bfloat16,
+                   weight.data_ptr(), bias.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr(), n,
+                   dim)

@@ -13,6 +13,8 @@ PyTorch's ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,18 +32,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, weight * s / rms(s)) for bfloat16 rows x [..., D] in CPU memory and a bfloat16 weight [D], where
     s = x, or x + delta rounded to bfloat16 (delta shaped as x)."""
-    dim = weight.shape[0]
-    if (x.shape[-1] != dim or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu
-            or not weight.is_cpu or (delta is not None and (delta.shape != x.shape or delta.dtype != torch.bfloat16
-                                                           or not delta.is_cpu))):
-        raise ValueError(f"rms_norm takes bfloat16 rows [..., {dim}] (and a delta shaped alike) and a bfloat16 "
-                         f"weight [{dim}], all in CPU memory")
     x, weight = x.contiguous(), weight.contiguous()
+    delta = None if delta is None else delta.contiguous()
     out = torch.empty_like(x)
-    total, delta_at = x, None
-    if delta is not None:
-        delta, total = delta.contiguous(), torch.empty_like(x)
-        delta_at = delta.data_ptr()
-    _LIBRARY.load().rms_norm(x.data_ptr(), delta_at, total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                             x.numel() // max(dim, 1), dim, eps)
+    total = x if delta is None else torch.empty_like(x)
+    bind_rms_norm(x, weight, eps, out, delta, total)()
     return total, out
+
+
+def bind_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                  delta: torch.Tensor | None = None, total: torch.Tensor | None = None) -> Callable[[], None]:
+    """`rms_norm` of these tensors as a call checked once, for a caller that runs it on the same buffers every step:
+    out <- the norm of s; with delta, total <- s = x + delta (total may be x itself). All contiguous bfloat16 rows
+    [..., D] (weight [D]) in CPU memory."""
+    dim = weight.shape[0]
+    rows = [x, out] + ([] if delta is None else [delta, total])
+    if (x.shape[-1] != dim or weight.dtype != torch.bfloat16 or not weight.is_cpu or not weight.is_contiguous()
+            or any(t is None or t.shape != x.shape or t.dtype != torch.bfloat16 or not t.is_cpu
+                   or not t.is_contiguous() for t in rows)):
+        raise ValueError(f"rms_norm takes contiguous bfloat16 rows [..., {dim}] (and a delta shaped alike, and its "
+                         f"total) and a bfloat16 weight [{dim}], all in CPU memory")
+    delta_at, total_at = (None, x.data_ptr()) if delta is None else (delta.data_ptr(), total.data_ptr())
+    return partial(_LIBRARY.load().rms_norm, x.data_ptr(), delta_at, total_at, weight.data_ptr(), out.data_ptr(),
+                   x.numel() // max(dim, 1), dim, eps)

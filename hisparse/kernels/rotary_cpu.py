@@ -8,6 +8,8 @@ be (no gcc), `available()` is False and the rotation keeps PyTorch's ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,11 +59,21 @@ class RotationTables:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """The rotated heads [N, H, D] (contiguous) of x [N, H, D], `takes(x, cos)` true of it."""
-        n, heads, dim = x.shape
-        if n != self.tokens or dim != self.dim:
-            raise ValueError(f"heads {tuple(x.shape)} do not fit rotation tables of {self.tokens} tokens x {self.dim}")
-        out = torch.empty(n, heads, dim, dtype=self.dtype)
-        if n:
-            _LIBRARY.load().rotate_half_split(x.data_ptr(), x.stride(0), n, heads, dim, *self._pointers, self.half,
-                                              out.data_ptr(), self.dtype == torch.bfloat16)
+        out = torch.empty(x.shape, dtype=self.dtype)
+        call = self.bind_rotate(x, out)
+        if x.shape[0]:
+            call()
         return out
+
+    def bind_rotate(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """`rotate` into out [N, H, D] (contiguous, the tables' dtype) as a call checked once, for a caller that
+        rotates the same buffers every step (the tables' contents may change between calls, not their tensors)."""
+        n, heads, dim = x.shape
+        if n != self.tokens or dim != self.dim or not takes(x, self.cos):
+            raise ValueError(f"heads {tuple(x.shape)} {x.dtype} do not fit rotation tables of {self.tokens} tokens x "
+                             f"{self.dim} {self.dtype} (each token's heads contiguous, in CPU memory)")
+        if out.shape != x.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {tuple(x.shape)} {self.dtype}, got {tuple(out.shape)} "
+                             f"{out.dtype}")
+        return partial(_LIBRARY.load().rotate_half_split, x.data_ptr(), x.stride(0), n, heads, dim, *self._pointers,
+                       self.half, out.data_ptr(), self.dtype == torch.bfloat16)

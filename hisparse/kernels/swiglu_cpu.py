@@ -12,6 +12,8 @@ PyTorch's ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,11 +37,20 @@ def takes(gate_up: torch.Tensor) -> bool:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [N, n] bfloat16 for rows gate_up = [gate | up] [N, 2 x n] (`takes`)."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[-1] // 2, dtype=torch.bfloat16)
+    call = bind_swiglu(gate_up, out)
+    if gate_up.shape[0]:
+        call()
+    return out
+
+
+def bind_swiglu(gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """`swiglu` into out [N, n] (contiguous bfloat16) as a call checked once, for a caller that runs it on the same
+    buffers every step."""
     if not takes(gate_up):
         raise ValueError(f"swiglu takes contiguous bfloat16 rows [N, 2 x n] in CPU memory; got "
                          f"{tuple(gate_up.shape)} {gate_up.dtype} on {gate_up.device}")
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    if rows:
-        _LIBRARY.load().swiglu(gate_up.data_ptr(), rows, n, out.data_ptr(), rows * n >= PARALLEL_MIN_VALUES)
-    return out
+    if out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bfloat16 [{rows}, {n}], got {tuple(out.shape)} {out.dtype}")
+    return partial(_LIBRARY.load().swiglu, gate_up.data_ptr(), rows, n, out.data_ptr(), rows * n >= PARALLEL_MIN_VALUES)

@@ -20,12 +20,21 @@ weights for large batches (`layers.linear.InferenceWeight`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from hisparse.kernels import block_matmul_cpu
-from hisparse.kernels.block_matmul_cpu import BLOCK, block_matmul, pack_q4_1, pack_q8_0, round_per_block, unpack_q8_0
+from hisparse.kernels.block_matmul_cpu import (
+    BLOCK,
+    bind_block_matmul,
+    block_matmul,
+    pack_q4_1,
+    pack_q8_0,
+    round_per_block,
+    unpack_q8_0,
+)
 
 INT4_GROUP = BLOCK  # inputs per int4 group, Q4_1's block
 INT4_ROWS = 16  # PyTorch's int4 packing, and the block kernel's, want a multiple of this many output rows
@@ -151,6 +160,17 @@ def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0We
     if weight.rounds_x:
         return block_matmul(x, weight.packed, weight.packed_scales, "q4_1", round_x_twice)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
+
+
+def bind_weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight, out: torch.Tensor,
+                            round_x_twice: bool = False) -> Callable[[], None]:
+    """`weight_only_matmul` of x into out as a call, for a caller that multiplies the same buffers every step: the
+    block kernel's checked once and writing into out; PyTorch's kernels allocate their own output, copied."""
+    if isinstance(weight, Q8_0Weight):
+        return bind_block_matmul(x, weight.packed, weight.scales, "q8_0", out, round_x_twice)
+    if isinstance(weight, Int4Weight) and weight.rounds_x:
+        return bind_block_matmul(x, weight.packed, weight.packed_scales, "q4_1", out, round_x_twice)
+    return lambda: out.copy_(weight_only_matmul(x, weight, round_x_twice))
 
 
 def weight_only_matmul_reference(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight,

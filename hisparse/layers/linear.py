@@ -19,6 +19,8 @@ either quantization, and a model's linears under `--quantization int8` (`linear_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from hisparse.kernels.weight_only_matmul import (
     Int4Weight,
     Int8Weight,
     Q8_0Weight,
+    bind_weight_only_matmul,
     int4_fits,
     quantize,
     weight_only_matmul,
@@ -115,3 +118,10 @@ class InferenceWeight:
                 and not autograd_records(x)):  # oneDNN's packed matmul has no backward
             return packed_matmul(x, self.packed)
         return x @ self.t
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """`self(x)` into out as a call, for a caller that multiplies the same buffers every step (a decode step's,
+        `models.llama_decode`): the block kernel's checked once; the other kernels' outputs copied into out."""
+        if x.shape[0] < self.dense_from:
+            return bind_weight_only_matmul(x, self.quantized, out, self.round_x_twice)
+        return lambda: out.copy_(self(x))
