@@ -77,6 +77,7 @@ class ForcedSequenceBackend:
     """
 
     reads_index_queries = True  # every chunk measures or selects with them
+    decode_only = False  # chunks of a text
     index_query_rows = None
 
     def __init__(self, model, top_k: int, dense_layers: tuple[int, ...], max_len: int) -> None:

@@ -24,6 +24,9 @@ class AttentionBackend(Protocol):
     # The rows whose indexer queries and head weights it reads, when it reads any: None for every row, or (a step
     # of dense prompt chunks and decodes) the decode rows alone; index_q and index_w then hold these rows only.
     index_query_rows: torch.Tensor | None
+    # Whether every token of this step is one request's decode query, in the order of the step's requests (no
+    # prompt chunk): a model may then run a decode-only path (`models.llama_decode`).
+    decode_only: bool
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,

@@ -77,6 +77,7 @@ class HiSparseAttention:
             slice(s.offset, s.offset + s.length), torch.from_numpy(s.request.kv.host_rows[:s.end]),
             torch.from_numpy(s.request.kv.index_slots[:s.end]).to(cache.device) if selects else None,
             torch.arange(s.start, s.end, device=cache.device) if selects else None) for s in batch.prefill_spans]
+        self.decode_only = bool(self.decode) and not self.prefill
         width = max((s.end for s in self.decode), default=0)
         self.reads_index_queries = reads_index_queries(cache.sparse, bool(self.prefill), width)
         self.index_query_rows = None

@@ -130,6 +130,7 @@ class PagedAttention:
         if cache.index_cache is not None:
             self.index_write = torch.cat([s.request.kv.index_slots[s.start:s.end] for s in batch.spans])
         self.trace_steps = {}
+        self.decode_only = bool(self.decode) and not self.prefill
         width = max((s.end for s in self.decode), default=0)
         self.reads_index_queries = self.selection is not None and reads_index_queries(cache.sparse, bool(self.prefill),
                                                                                       width)

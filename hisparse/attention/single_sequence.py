@@ -13,6 +13,7 @@ from hisparse.attention.functional import causal_attention
 class SingleSequenceCache:
     reads_index_queries = False  # dense attention: an indexer's keys are all it needs, and it stores none
     index_query_rows = None
+    decode_only = False  # its queries attend causally among themselves
 
     def __init__(self, num_layers: int, scale: float) -> None:
         self.scale = scale

@@ -28,7 +28,9 @@ from hisparse.layers.linear import SMALL_WEIGHT_DENSE_FROM, InferenceWeight, lin
 from hisparse.layers.norm import RMSNorm
 from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
 from hisparse.layers.vocab_parallel import embed_vocab_share
+from hisparse.models import llama_decode
 from hisparse.models.config import LlamaConfig
+from hisparse.models.llama_decode import LlamaDecodeStep
 
 
 def shard_weight(name: str, weight: torch.Tensor, config: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
@@ -105,11 +107,11 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        index = {} if self.indexer is None else self._indexer_inputs(x, index_rope, backend)
+        index = {} if self.indexer is None else self.indexer_inputs(x, index_rope, backend)
         out = backend.attend(self.layer, q, k, v, **index).reshape(n, q_size)
         return self.tp.all_reduce(self.o(out) if self.o is not None else self.o_proj(out))
 
-    def _indexer_inputs(self, x: torch.Tensor, rope: HalfSplitRotation, backend: AttentionBackend) -> dict:
+    def indexer_inputs(self, x: torch.Tensor, rope: HalfSplitRotation, backend: AttentionBackend) -> dict:
         """The indexer's part of this step's attention: its keys always (later steps score them), its queries and
         head weights where the attention reads them (`AttentionBackend.index_query_rows`). Where it reads none, or
         those of some rows, every key comes from the key's rows alone (`prepare_for_inference`)."""
@@ -186,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head_weight: InferenceWeight | None = None
+        # Decode-only steps run on buffers and calls made once per batch size (`models.llama_decode`); False runs
+        # every step through the layers' own forward (tests compare the two).
+        self.reuse_decode_steps = True
+        self._decode_steps: dict[int, LlamaDecodeStep] = {}
 
     @property
     def attention_scale(self) -> float:
@@ -208,10 +214,16 @@ class LlamaForCausalLM(nn.Module):
             layer.attn.prepare_for_inference(quantization)
             layer.mlp.prepare_for_inference(quantization)
         self.lm_head_weight = InferenceWeight(self.lm_head.weight, "none" if quantization == "none" else "q8_0")
+        self._decode_steps = {}  # bound to the weights just replaced
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
+        n = input_ids.shape[0]
+        if self.reuse_decode_steps and llama_decode.runs(self, backend, n):
+            if n not in self._decode_steps:
+                self._decode_steps[n] = LlamaDecodeStep(self, n)
+            return self._decode_steps[n].run(input_ids, positions, backend)
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         rope = HalfSplitRotation.of(cos, sin, self.dtype)
