@@ -69,10 +69,13 @@ class LlamaDecodeStep:
         rope = HalfSplitRotation.of(cos, sin, dtype)
         self.rope = RotationTables(rope.cos.clone(), rope.sin.clone(), rope.half)
         indexer = next((layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None), None)
-        if indexer is not None:
+        if indexer is not None:  # its outputs, as `LlamaIndexer.from_projection` gives them (float32)
             index_rope = indexer.rotation(cos, sin)
-            self.index_rope = HalfSplitRotation(index_rope.cos.clone(), index_rope.sin.clone(), index_rope.half)
+            self.index_rope = RotationTables(index_rope.cos.clone(), index_rope.sin.clone(), index_rope.half)
             self.index_key = torch.empty(batch, indexer.head_dim)
+            self.index_queries = torch.empty(batch, indexer.n_heads, indexer.head_dim)
+            self.index_weights = torch.empty(batch, indexer.n_heads)
+            self.index_unrotated = torch.empty(batch, indexer.n_heads, indexer.head_dim)
         rotated = self.qkv[:, :q_size + kv_size].view(batch, heads + kv_heads, head_dim)
         self.layers = [self._bind_layer(layer, i, rotated) for i, layer in enumerate(model.layers)]
         self.final_norm = bind_rms_norm(self.x, model.norm.weight, model.norm.eps, self.h, self.delta, self.x)
@@ -92,20 +95,41 @@ class LlamaDecodeStep:
             "gate_up": mlp.gate_up.bind(self.h, self.gate_up),
             "swiglu": bind_swiglu(self.gate_up, self.activation),
             "down": mlp.down.bind(self.activation, self.delta),
-            "index_key": None,
+            "index_key": None,  # with an indexer: its key alone, or its queries, key and head weights
+            "index_all": None,
         }
         if attn.indexer is not None:
-            norm = attn.indexer.k_norm
-            projected = torch.empty(self.batch, attn.indexer.head_dim, dtype=self.h.dtype)
-            project = attn.index_key_proj.bind(self.h, projected)
-            derive = bind_indexer_key(projected, 0, norm.weight, norm.bias, norm.eps, self.index_rope.cos,
-                                      self.index_rope.sin, self.index_rope.half, self.index_key)
-
-            def index_key() -> None:
-                project()
-                derive()
-            calls["index_key"] = index_key
+            calls.update(self._bind_indexer(attn))
         return calls
+
+    def _bind_indexer(self, attn) -> dict[str, Callable[[], None]]:
+        """The layer's indexer as `LlamaAttention.indexer_inputs` runs it in a decode-only step: the key from the
+        key's rows alone where the attention reads no queries, else all three from the whole projection."""
+        indexer, norm = attn.indexer, attn.indexer.k_norm
+        heads, dim, rope = indexer.n_heads, indexer.head_dim, self.index_rope
+        key_rows = torch.empty(self.batch, dim, dtype=self.h.dtype)
+        projected = torch.empty(self.batch, attn.index_proj.t.shape[1], dtype=self.h.dtype)
+        project_key = attn.index_key_proj.bind(self.h, key_rows)
+        key_alone = bind_indexer_key(key_rows, 0, norm.weight, norm.bias, norm.eps, rope.cos, rope.sin, rope.half,
+                                     self.index_key)
+        project = attn.index_proj.bind(self.h, projected)
+        key = bind_indexer_key(projected, heads * dim, norm.weight, norm.bias, norm.eps, rope.cos, rope.sin, rope.half,
+                               self.index_key)
+        rotate = rope.bind_rotate(self.index_unrotated, self.index_queries)
+        queries = projected[:, :heads * dim].view(self.batch, heads, dim)
+        weights, scales = projected[:, heads * dim + dim:], (heads**-0.5, dim**-0.5)  # `finish_weights`'s order
+
+        def index_key() -> None:
+            project_key()
+            key_alone()
+
+        def index_all() -> None:
+            project()
+            key()
+            self.index_unrotated.copy_(queries)
+            rotate()
+            self.index_weights.copy_(weights).mul_(scales[0]).mul_(scales[1])
+        return {"index_key": index_key, "index_all": index_all}
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend) -> torch.Tensor:
         """`LlamaForCausalLM.forward` of this decode batch: the final hidden states [B, hidden] (a new tensor)."""
@@ -128,7 +152,8 @@ class LlamaDecodeStep:
                     self.index_rope.cos.copy_(index_rope.cos)
                     self.index_rope.sin.copy_(index_rope.sin)
                 if backend.reads_index_queries:
-                    index = attn.indexer_inputs(self.h, index_rope, backend)
+                    calls["index_all"]()
+                    index = {"index_q": self.index_queries, "index_k": self.index_key, "index_w": self.index_weights}
                 else:
                     calls["index_key"]()
                     index = {"index_k": self.index_key}
