@@ -11,9 +11,9 @@ block's largest, for twice the products; the weights are read once either way).
 - Q4_1 (`--quantization int4`, `weight_only_matmul.Int4Weight`): the default model's 30 layers of int4 linears,
   weights cold in cache: 2.7 ms against PyTorch's int4 kernel's 4.8 at batch 1 (24 GB/s, the machine's read
   bandwidth), 4.9 against 13.2 at batch 8, and faster than the packed bfloat16 weights (12.3-15.7 ms) up to batch
-  32 (`layers.linear.VNNI_DENSE_FROM`). Decode perplexity over six held-out texts (6 x 255 tokens, batch 1)
-  against bfloat16: +0.90% with x rounded once, +0.16% with the attention's projections rounding it twice (the
-  engine's choice, `models.llama`), +0.55% on PyTorch's int4 kernel.
+  32 with AMX, at every batch without it (`layers.linear.VNNI_DENSE_FROM`). Decode perplexity over six held-out
+  texts (6 x 255 tokens, batch 1) against bfloat16: +0.90% with x rounded once, +0.16% with the attention's
+  projections rounding it twice (the engine's choice, `models.llama`), +0.55% on PyTorch's int4 kernel.
 - Q8_0 (the LM head as the GGUF stores it, `weight_only_matmul.Q8_0Weight`): the 49152 x 576 head, caches flushed,
   0.94 ms at batch 1 (the kernel before, with llama.cpp's row-major blocks: 1.2) and 1.21 at batch 8, against 2.3-2.5
   for the packed bfloat16 head.

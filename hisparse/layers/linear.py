@@ -7,10 +7,11 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   tests still see ordinary modules;
 - the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for everything else: decode batches and
   short chunks in bfloat16, every batch in float32;
-- quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH`, where reading 8 or 4 bits
-  instead of 16 is what counts; from there on the kernel's in-register dequantization costs more than the
-  bytes it saves. The dense forms then hold the *dequantized* weights, so every path multiplies by the same
-  numbers. Quantization trades memory for speed here: the dense forms stay.
+- quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH` / `VNNI_DENSE_FROM`, where
+  reading 8 or 4 bits instead of 16 is what counts; from there on the kernel's in-register dequantization costs
+  more than the bytes it saves (without AMX, the block kernel's int8 products outrun bfloat16 at any batch for the
+  weights that round x once). The dense forms then hold the *dequantized* weights, so every path multiplies by
+  the same numbers. Quantization trades memory for speed here: the dense forms stay.
 
 "q8_0" keeps llama.cpp's blocks of 32 with one scale each and multiplies them with int8 dot products, x rounded per
 block (`kernels.block_matmul_cpu`); where that kernel cannot run it is per-row "int8". The LM head takes it under
@@ -19,6 +20,7 @@ either quantization, and a model's linears under `--quantization int8` (`linear_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -39,15 +41,20 @@ from hisparse.kernels.weight_only_matmul import (
 
 QUANTIZATIONS = ("none", "int8", "int4")
 # The batch from which the packed bfloat16 weights beat each weight-only kernel, over the default model's whole
-# stack of linears (2-core Xeon with AMX): PyTorch's int8 and int4 kernels by kind, and the block kernel
-# (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and Q8_0) for every weight it multiplies
-# (`rounds_x`): int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 / 32-35 / 39-41 ms against
-# 28 / 30 / 36 / 41-42 on the packed weights; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 / 2.46 / 3.28
-# ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47. Without AMX (AMD EPYC, bfloat16 in
-# AVX512-BF16) the packed weights multiply far slower: the block kernel's whole int4 / Q8_0 stack took 0.87 / 0.81x
-# their time at batch 32, 0.91 / 0.85x at 64 and 0.97 / 0.89x at 128.
+# stack of linears (2-core Xeon with AMX): PyTorch's int8 and int4 kernels by kind; the block kernel
+# (`kernels.block_matmul_cpu`: int4 where AVX-512 VNNI is, and Q8_0) in VNNI_DENSE_FROM.
 DENSE_FROM_BATCH = {"int8": 3, "int4": 10}
-VNNI_DENSE_FROM = 32 if {"amx_tile", "amx_bf16"} <= cpu_flags() else 128
+# The same for the block kernel, by whether the weight rounds x twice (`round_x_twice`: twice the products). With
+# AMX, 32 for every weight: int4 engine decode steps at batch 12 / 16 / 24 / 32 took 21-22 / 24-26 / 32-35 / 39-41
+# ms against 28 / 30 / 36 / 41-42 on the packed weights; the Q8_0 head alone, caches flushed, 0.94 / 1.21 / 1.86 /
+# 2.46 / 3.28 ms at batch 1 / 8 / 16 / 24 / 32 against 2.31 / 2.46 / 2.49 / 2.98 / 3.47. Without AMX (AMD EPYC,
+# bfloat16 in AVX512-BF16) bfloat16 multiplies at half the rate of the kernel's int8 dot products: a weight that
+# rounds x once stays on the block kernel at every batch (one 1536-token prefill with the MLPs on it, medians of 3:
+# int4 1.27 -> 1.08 s, int8 1.40 -> 1.25 s; 512 rows of x: int4 gate_up 3.35 against 4.42 ms, down 2.32 against
+# 2.10), one that rounds it twice up to 128 (the int4 / Q8_0 stacks took 0.87 / 0.81x the packed weights' time
+# at batch 32, 0.91 / 0.85x at 64 and 0.97 / 0.89x at 128).
+AMX = {"amx_tile", "amx_bf16"} <= cpu_flags()
+VNNI_DENSE_FROM = {False: 32, True: 32} if AMX else {False: math.inf, True: 128}
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
@@ -92,7 +99,7 @@ class InferenceWeight:
         if self.kind == "none":
             self.dense_from = 0
         else:
-            own = VNNI_DENSE_FROM if self.quantized.rounds_x else DENSE_FROM_BATCH[self.kind]
+            own = VNNI_DENSE_FROM[round_x_twice] if self.quantized.rounds_x else DENSE_FROM_BATCH[self.kind]
             self.dense_from = dense_from or own
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
         self.packed = pack_weight(weight) if packing_available(weight) else None
