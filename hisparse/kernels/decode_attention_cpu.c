@@ -1,11 +1,13 @@
 // Decode attention straight from a pool of K/V rows: one query per request over its own rows. Built and loaded by
 // decode_attention_cpu.py, which says what it computes and why it is shaped so.
 //
-// Per request: the queries are widened once; each valid row's K half is widened once and scored by every query
-// head (four heads' dot products summed across lanes together: a horizontal sum per head cost as much as the
-// products), or, with AVX512-BF16, a bfloat16 query and row multiply in vdpbf16ps pairs straight from memory;
-// each head's scores go through a softmax whose exponential is a polynomial; then the V halves, TILE_ROWS valid
-// rows at a time, are weighted into the outputs (each accumulator load and store serves the tile).
+// Per request, two passes over its rows. Scores: with AVX512-BF16, bfloat16 queries and rows multiply in vdpbf16ps
+// pairs where they lie, four rows at a time per query head (their four dot products summed across lanes together:
+// a horizontal sum per dot product cost as much as the products); otherwise the queries are widened once and each
+// valid row's K half widened once and scored by every query head, four heads at a time. Each head's scores go
+// through a softmax whose exponential is a polynomial. Values: for head dims of 64, per KV head, the query heads
+// reading it keep their accumulators in registers for the whole pass and each row's V half is widened once into
+// them; otherwise the V halves, TILE_ROWS valid rows at a time, are weighted into accumulators in memory.
 // With AVX-512 and head dims in sixteens the loops are intrinsics; otherwise plain loops of the same arithmetic.
 // A request's query heads may be split between threads (when requests are fewer than threads): each head's
 // arithmetic is the same whichever heads share its call, so the outputs do not depend on the split.
@@ -50,17 +52,7 @@ static inline __m128 four_dots(const char *const q[4], const char *const k[4], i
 #endif
 
 #if defined(AVX512_PATHS) && defined(__AVX512BF16__)
-#define BF16_DOTS 1
-// As four_dots, of bfloat16 queries and keys ([dim] each, dim a multiple of 32) read where they lie: vdpbf16ps
-// multiplies their pairs exactly and sums them in float32.
-static inline __m128 four_bf16_dots(const char *const q[4], const char *const k[4], int64_t dim) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t d = 0; d < dim; d += 32)
-        for (int t = 0; t < 4; t++)
-            a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512((const uint16_t *)q[t] + d),
-                                    (__m512bh)_mm512_loadu_si512((const uint16_t *)k[t] + d));
-    return lane_sums4(a[0], a[1], a[2], a[3]);
-}
+#define BF16_DOTS 1  // bfloat16 queries and rows multiplied in vdpbf16ps pairs where they lie
 #endif
 
 static inline float dot(const float *q, const float *k, int64_t dim) {
@@ -71,34 +63,53 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
 
 // scores[i] (of `stride` values) at column j <- (query i . its KV head's key) * scale, for every query head i of
 // the call; query head i reads KV head (phase + i) / group of `keys` (phase: the first head's place in its group).
-// Queries and keys are float32, or with `bf16` (BF16_DOTS, dim a multiple of 32) bfloat16 read where they lie.
-static void score_row(const void *queries, const void *keys, int bf16, int64_t heads, int64_t group, int64_t phase,
+// Queries and keys float32 (widened).
+static void score_row(const float *queries, const float *keys, int64_t heads, int64_t group, int64_t phase,
                       int64_t dim, float scale, float *scores, int64_t stride, int64_t j) {
 #ifdef AVX512_PATHS
     if (dim % 16 == 0) {
-        int64_t element = bf16 ? 2 : 4;
         for (int64_t i = 0; i < heads; i += 4) {  // four heads at a time; past the last one, its product again, unused
             const char *q[4], *k[4];
             for (int t = 0; t < 4; t++) {
                 int64_t h = i + t < heads ? i + t : heads - 1;
-                q[t] = (const char *)queries + h * dim * element;
-                k[t] = (const char *)keys + ((phase + h) / group) * dim * element;
+                q[t] = (const char *)(queries + h * dim);
+                k[t] = (const char *)(keys + ((phase + h) / group) * dim);
             }
             float four[4];
-#ifdef BF16_DOTS
-            if (bf16) _mm_storeu_ps(four, four_bf16_dots(q, k, dim));
-            else
-#endif
-                _mm_storeu_ps(four, four_dots(q, k, dim));
+            _mm_storeu_ps(four, four_dots(q, k, dim));
             for (int t = 0; t < 4 && i + t < heads; t++) scores[(i + t) * stride + j] = four[t] * scale;
         }
         return;
     }
 #endif
     for (int64_t i = 0; i < heads; i++)
-        scores[i * stride + j] = dot((const float *)queries + i * dim, (const float *)keys + ((phase + i) / group) * dim,
-                                     dim) * scale;
+        scores[i * stride + j] = dot(queries + i * dim, keys + ((phase + i) / group) * dim, dim) * scale;
 }
+
+#ifdef BF16_DOTS
+// The scores of four rows by each query head of the call at once (bfloat16 queries and rows, dim a multiple of
+// 32): a head's four dot products summed across their lanes together, stored side by side. key[t]: row t's K half
+// (NULL: no row, scored -inf); offset[i]: query head i's KV head within it, in values.
+static void score_four_rows(const uint16_t *queries, const uint16_t *const key[4], const int64_t *offset,
+                            int64_t heads, int64_t dim, float scale, float *scores, int64_t stride, int64_t j,
+                            int64_t count) {
+    const uint16_t *k[4];
+    for (int t = 0; t < 4; t++) k[t] = key[t] ? key[t] : key[0] ? key[0] : key[1] ? key[1] : key[2] ? key[2] : key[3];
+    __m128 scales = _mm_set1_ps(scale);
+    for (int64_t i = 0; i < heads; i++) {
+        const uint16_t *q = queries + i * dim;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t d = 0; d < dim; d += 32) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+            for (int t = 0; t < 4; t++)
+                a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(k[t] + offset[i] + d));
+        }
+        float four[4];
+        _mm_storeu_ps(four, _mm_mul_ps(lane_sums4(a[0], a[1], a[2], a[3]), scales));
+        for (int t = 0; t < count; t++) scores[i * stride + j + t] = key[t] ? four[t] : -INFINITY;
+    }
+}
+#endif
 
 // s[0..n) <- e^(s - max s); returns their sum.
 static float softmax_numerators(float *s, int64_t n) {
@@ -145,6 +156,51 @@ static void accumulate_tile(float *acc, float (*weights)[64], const float *value
     }
 }
 
+#ifdef AVX512_PATHS
+#define MAX_REGISTER_HEADS 6  // query heads per KV head whose accumulators stay in registers (4 vectors each)
+
+// acc[h][0..64) = sum_j weights[h][j] values_j over the valid rows, for the `count` query heads that read one KV
+// head of 64 dims, its values at `offset` bytes into each row: the row's values widened once and multiplied into
+// accumulators that stay in registers for the whole pass (count a constant where this is inlined).
+static inline __attribute__((always_inline)) void values_64(const char *pool, const int64_t *rows, int64_t length,
+                                                          int64_t row_bytes, int64_t offset, int bf16,
+                                                          const float *weights, int64_t stride, int count,
+                                                          float *acc) {
+    __m512 a[MAX_REGISTER_HEADS][4];
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < length; j++) {
+        if (rows[j] < 0) continue;
+        const char *v = pool + rows[j] * row_bytes + offset;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++)
+            x[c] = bf16 ? widen_bf16x16((const uint16_t *)v + 16 * c) : _mm512_loadu_ps((const float *)v + 16 * c);
+        for (int h = 0; h < count; h++) {
+            __m512 p = _mm512_set1_ps(weights[h * stride + j]);
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(p, x[c], a[h][c]);
+        }
+    }
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + h * 64 + 16 * c, a[h][c]);
+}
+
+// `values_64` for the query heads [h0, h1) of the call (acc and weights indexed from the call's first head), all
+// reading KV head `kv`.
+static void values_64_heads(const char *pool, const int64_t *rows, int64_t length, int64_t row_bytes,
+                            int64_t offset, int bf16, const float *scores, int64_t h0, int64_t h1, float *acc) {
+    const float *w = scores + h0 * length;
+    float *a = acc + h0 * 64;
+    switch (h1 - h0) {
+        case 1: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 1, a); break;
+        case 2: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 2, a); break;
+        case 3: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 3, a); break;
+        case 4: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 4, a); break;
+        case 5: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 5, a); break;
+        default: values_64(pool, rows, length, row_bytes, offset, bf16, w, length, 6, a); break;
+    }
+}
+#endif
+
 // A row, K and V, asked for ahead of its scores: its V half is read again in the second pass, from the caches.
 static void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 2);  // to L2: L1 has too few fill buffers
@@ -169,7 +225,32 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
     float *scores = malloc((size_t)(heads * length + 1) * sizeof(float));
     if (!scores) return 2;
     int64_t valid = 0;
-    for (int64_t j = 0; j < length; j++) {
+#ifdef BF16_DOTS
+    if (dots) {
+        int64_t offset[heads];  // query head i's key within a row's K half, in values
+        for (int64_t i = 0; i < heads; i++) offset[i] = ((phase + i) / group) * dim;
+        for (int64_t j = 0; j < length; j += 4) {
+            const uint16_t *key[4] = {NULL, NULL, NULL, NULL};
+            int64_t count = length - j < 4 ? length - j : 4, any = 0;
+            for (int64_t t = 0; t < count; t++) {
+                int64_t ahead = j + t + PREFETCH_AHEAD;
+                if (ahead < length && rows[ahead] >= 0) prefetch_row(pool + rows[ahead] * 2 * half_bytes, 2 * half_bytes);
+                if (rows[j + t] < 0) continue;
+                key[t] = (const uint16_t *)(pool + rows[j + t] * 2 * half_bytes + skip);
+                any++;
+            }
+            valid += any;
+            if (any) {
+                score_four_rows((const uint16_t *)(q + first * dim * 2), key, offset, heads, dim, scale, scores, length,
+                                j, count);
+            } else {
+                for (int64_t i = 0; i < heads; i++)
+                    for (int64_t t = 0; t < count; t++) scores[i * length + j + t] = -INFINITY;
+            }
+        }
+    }
+#endif
+    for (int64_t j = 0; j < length && !dots; j++) {
         if (j + PREFETCH_AHEAD < length && rows[j + PREFETCH_AHEAD] >= 0)
             prefetch_row(pool + rows[j + PREFETCH_AHEAD] * 2 * half_bytes, 2 * half_bytes);
         if (rows[j] < 0) {
@@ -178,16 +259,22 @@ static int attend_request(const char *pool, int pool_bf16, const int64_t *rows, 
         }
         valid++;
         const char *key_half = pool + rows[j] * 2 * half_bytes + skip;
-        if (dots) {
-            score_row(q + first * dim * 2, key_half, 1, heads, group, phase, dim, scale, scores, length, j);
-            continue;
-        }
         widen(key_half, pool_bf16, half_values, keys);
-        score_row(queries, keys, 0, heads, group, phase, dim, scale, scores, length, j);
+        score_row(queries, keys, heads, group, phase, dim, scale, scores, length, j);
     }
     float inverse[heads];
     for (int64_t i = 0; i < heads; i++) inverse[i] = valid ? 1.0f / softmax_numerators(scores + i * length, length) : 0.0f;
     memset(acc, 0, sizeof acc);
+#ifdef AVX512_PATHS
+    if (dim == 64 && group <= MAX_REGISTER_HEADS && valid) {
+        for (int64_t kv = kv_first; kv < kv_first + kv_used; kv++) {  // the call's heads that read KV head kv
+            int64_t h0 = kv * group - first, h1 = (kv + 1) * group - first;
+            values_64_heads(pool, rows, length, 2 * half_bytes, half_bytes + kv * dim * element, pool_bf16, scores,
+                            h0 < 0 ? 0 : h0, h1 > heads ? heads : h1, acc);
+        }
+        valid = 0;  // the tiles below have nothing left to do
+    }
+#endif
     int filled = 0;
     for (int64_t j = 0; j < length && valid; j++) {
         if (rows[j] < 0) continue;
