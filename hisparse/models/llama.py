@@ -216,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight = InferenceWeight(self.lm_head.weight, "none" if quantization == "none" else "q8_0")
         self._decode_steps = {}  # bound to the weights just replaced
 
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.float()` and the like replace the parameters the decode steps read by address: drop them."""
+        self._decode_steps = {}
+        return super()._apply(fn, recurse)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""

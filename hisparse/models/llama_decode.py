@@ -45,11 +45,16 @@ def runs(model, backend, batch: int) -> bool:
 
 class LlamaDecodeStep:
     """One batch size's decode step of a prepared `LlamaForCausalLM` (`runs` true of it): its buffers and bound
-    calls. Bound to the model's prepared weights: the model makes new ones when it is prepared again."""
+    calls. Bound to the model's weights as they are: the model makes new steps when it is prepared again or moved."""
 
     def __init__(self, model, batch: int) -> None:
         config, dtype = model.config, model.dtype
         self.model = model
+        # What the bound calls read by address, kept alive with them: a model that replaces its tensors (preparing
+        # again, `.to()`) drops its steps, and one that swaps a parameter by hand leaves a step stale, never dangling.
+        self.weights = [*model.parameters(), *(w for layer in model.layers for w in (
+            layer.attn.qkv, layer.attn.o, layer.attn.index_proj, layer.attn.index_key_proj, layer.mlp.gate_up,
+            layer.mlp.down) if w is not None)]
         self.batch = batch
         hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim

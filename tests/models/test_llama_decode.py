@@ -61,14 +61,17 @@ def test_reused_decode_steps_give_the_layers_logits(mode, quantization, llama_bf
         assert torch.equal(ours, theirs), f"step {step}: logits differ by {float((ours - theirs).abs().max())}"
 
 
-def test_preparing_again_drops_the_steps_bound_to_the_old_weights(model_files, tokenizer):
+def test_preparing_again_or_moving_drops_the_steps_bound_to_the_old_weights(model_files, tokenizer):
     model = load_llama(model_files, dtype=torch.bfloat16)
     decode_logits(model, tokenizer, "baseline", reuse=True)
     model.prepare_for_inference("int4")
     assert not model._decode_steps
-    reused, _ = decode_logits(model, tokenizer, "baseline", reuse=True)
     eager, _ = decode_logits(model, tokenizer, "baseline", reuse=False)
+    reused, _ = decode_logits(model, tokenizer, "baseline", reuse=True)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(reused, eager, strict=True))
+    assert model._decode_steps
+    model.to(torch.bfloat16)  # any move may replace the parameters the steps read by address
+    assert not model._decode_steps
 
 
 def test_steps_it_does_not_take_run_the_layers(llama_bf16, llama):
