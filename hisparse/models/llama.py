@@ -226,9 +226,10 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [N, hidden] for N packed tokens at their absolute positions."""
         n = input_ids.shape[0]
         if self.reuse_decode_steps and llama_decode.runs(self, backend, n):
-            if n not in self._decode_steps:
-                self._decode_steps[n] = LlamaDecodeStep(self, n)
-            return self._decode_steps[n].run(input_ids, positions, backend)
+            step = self._decode_steps.get(n)
+            if step is None or not step.is_current():
+                step = self._decode_steps[n] = LlamaDecodeStep(self, n)
+            return step.run(input_ids, positions, backend)
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         rope = HalfSplitRotation.of(cos, sin, self.dtype)

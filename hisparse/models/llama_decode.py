@@ -34,13 +34,24 @@ def runs(model, backend, batch: int) -> bool:
             and model.dtype == torch.bfloat16 and model.embed_tokens.weight.is_cpu and not torch.is_grad_enabled()):
         return False
     attention = [layer.attn for layer in model.layers]
-    if any(a.qkv is None or a.indexer is not a._prepared_indexer for a in attention):
+    if any(a.qkv is None or a.indexer is not a._prepared_indexer or (a.indexer is not None and a.index_key_proj is None)
+           for a in attention):
         return False
     if any(layer.mlp.gate_up is None for layer in model.layers):
         return False
     indexers = any(a.indexer is not None for a in attention)
     return (rms_norm_cpu.available() and rotary_cpu.available() and swiglu_cpu.available()
             and (not indexers or indexer_key_cpu.available()))
+
+
+def prepared_weights(model) -> list:
+    """The prepared weights (`InferenceWeight`, None where a layer has none) a `LlamaDecodeStep` of `model` binds,
+    in a fixed order."""
+    weights = []
+    for layer in model.layers:
+        attn = layer.attn
+        weights += [attn.qkv, attn.o, attn.index_proj, attn.index_key_proj, layer.mlp.gate_up, layer.mlp.down]
+    return weights
 
 
 class LlamaDecodeStep:
@@ -50,11 +61,11 @@ class LlamaDecodeStep:
     def __init__(self, model, batch: int) -> None:
         config, dtype = model.config, model.dtype
         self.model = model
-        # What the bound calls read by address, kept alive with them: a model that replaces its tensors (preparing
-        # again, `.to()`) drops its steps, and one that swaps a parameter by hand leaves a step stale, never dangling.
-        self.weights = [*model.parameters(), *(w for layer in model.layers for w in (
-            layer.attn.qkv, layer.attn.o, layer.attn.index_proj, layer.attn.index_key_proj, layer.mlp.gate_up,
-            layer.mlp.down) if w is not None)]
+        # What the bound calls read by address, kept alive with them (a parameter given new data by hand leaves the
+        # step stale, never dangling). A model prepared again or given other prepared weights makes a new step
+        # (`is_current`); one moved or converted (`nn.Module._apply`) drops its steps.
+        self.prepared = prepared_weights(model)
+        self.kept_parameters = [p.detach() for p in model.parameters()]  # their memory, whatever comes of them
         self.batch = batch
         hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -82,8 +93,13 @@ class LlamaDecodeStep:
             self.index_weights = torch.empty(batch, indexer.n_heads)
             self.index_unrotated = torch.empty(batch, indexer.n_heads, indexer.head_dim)
         rotated = self.qkv[:, :q_size + kv_size].view(batch, heads + kv_heads, head_dim)
+        self.layer_buffers: list[torch.Tensor] = []  # a layer's own buffers, alive as long as the step
         self.layers = [self._bind_layer(layer, i, rotated) for i, layer in enumerate(model.layers)]
         self.final_norm = bind_rms_norm(self.x, model.norm.weight, model.norm.eps, self.h, self.delta, self.x)
+
+    def is_current(self) -> bool:
+        """Whether the model's prepared weights are still the ones this step's calls were bound to."""
+        return all(a is b for a, b in zip(self.prepared, prepared_weights(self.model), strict=True))
 
     def _bind_layer(self, layer, index: int, rotated: torch.Tensor) -> dict[str, Callable[[], None] | None]:
         attn, mlp = layer.attn, layer.mlp
@@ -114,6 +130,7 @@ class LlamaDecodeStep:
         heads, dim, rope = indexer.n_heads, indexer.head_dim, self.index_rope
         key_rows = torch.empty(self.batch, dim, dtype=self.h.dtype)
         projected = torch.empty(self.batch, attn.index_proj.t.shape[1], dtype=self.h.dtype)
+        self.layer_buffers += [key_rows, projected]  # the calls below hold their addresses alone
         project_key = attn.index_key_proj.bind(self.h, key_rows)
         key_alone = bind_indexer_key(key_rows, 0, norm.weight, norm.bias, norm.eps, rope.cos, rope.sin, rope.half,
                                      self.index_key)

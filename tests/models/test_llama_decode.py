@@ -12,6 +12,7 @@ from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
 from hisparse.engine.sampling_params import SamplingParams
+from hisparse.layers.linear import InferenceWeight
 from hisparse.models.llama_decode import MAX_BATCH, runs
 from hisparse.models.loader import load_llama
 
@@ -69,7 +70,12 @@ def test_preparing_again_or_moving_drops_the_steps_bound_to_the_old_weights(mode
     eager, _ = decode_logits(model, tokenizer, "baseline", reuse=False)
     reused, _ = decode_logits(model, tokenizer, "baseline", reuse=True)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(reused, eager, strict=True))
-    assert model._decode_steps
+    step = model._decode_steps[2]
+    assert step.is_current()
+    down = model.layers[3].mlp.down
+    model.layers[3].mlp.down = InferenceWeight(model.layers[3].mlp.down_proj.weight, "int4")  # swapped by hand
+    assert not step.is_current()  # the next step binds anew
+    model.layers[3].mlp.down = down
     model.to(torch.bfloat16)  # any move may replace the parameters the steps read by address
     assert not model._decode_steps
 
