@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hisparse.kernels import block_matmul_cpu
-from hisparse.kernels.block_matmul_cpu import block_matmul, pack_q4_1, pack_q8_0, round_per_block
+from hisparse.kernels.block_matmul_cpu import bind_block_matmul, block_matmul, pack_q4_1, pack_q8_0, round_per_block
 from hisparse.kernels.weight_only_matmul import (
     quantize_int4,
     quantize_q8_0,
@@ -108,6 +108,10 @@ def test_refusals():
         block_matmul(torch.randn(1, 64).bfloat16(), weight.packed, weight.packed_scales, "q4_1")
     with pytest.raises(ValueError, match="a q8_0 weight is contiguous uint8"):
         block_matmul(torch.randn(1, 64), weight.packed, weight.packed_scales, "q8_0")
+    # a bound call writes where it was told, so where it is told must hold its output
+    for out in (torch.empty(1, 8), torch.empty(2, 16), torch.empty(1, 16).bfloat16(), torch.empty(1, 32)[:, ::2]):
+        with pytest.raises(ValueError, match=r"out must be contiguous \[1, 16\]"):
+            bind_block_matmul(torch.randn(1, 64), weight.packed, weight.packed_scales, "q4_1", out)
 
 
 def test_without_the_kernel_int4_keeps_pytorchs_and_the_head_falls_back_to_per_row_int8(monkeypatch):

@@ -66,6 +66,12 @@ def test_refusals():
         rms_norm_cpu.rms_norm(torch.randn(2, 32).bfloat16(), weight, 1e-5)
     with pytest.raises(ValueError, match="a delta shaped alike"):
         rms_norm_cpu.rms_norm(torch.randn(2, 64).bfloat16(), weight, 1e-5, torch.randn(1, 64).bfloat16())
+    x = torch.randn(2, 64).bfloat16()
+    for out in (torch.empty(1, 64).bfloat16(), torch.empty(64, 2).bfloat16().t(), torch.empty(2, 64)):
+        with pytest.raises(ValueError, match=r"bfloat16 rows \[\.\.\., 64\]"):  # where a bound call would write
+            rms_norm_cpu.bind_rms_norm(x, weight, 1e-5, out)
+    with pytest.raises(ValueError, match="its total"):
+        rms_norm_cpu.bind_rms_norm(x, weight, 1e-5, torch.empty_like(x), x, torch.empty(1, 64).bfloat16())
 
 
 def test_a_delta_that_wants_gradients_takes_pytorchs_path():
