@@ -149,16 +149,25 @@ def quantize(weight: torch.Tensor, kind: str) -> Int8Weight | Int4Weight | Q8_0W
     return (quantize_int4 if kind == "int4" else quantize_int8)(weight, weight.dtype)
 
 
+def block_form(weight: Int8Weight | Int4Weight | Q8_0Weight) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """(packed, scales, format) as `block_matmul` takes them, for a weight the block kernel multiplies; else None
+    (PyTorch's int8 and int4 kernels)."""
+    if isinstance(weight, Q8_0Weight):
+        return weight.packed, weight.scales, "q8_0"
+    if isinstance(weight, Int4Weight) and weight.rounds_x:
+        return weight.packed, weight.packed_scales, "q4_1"
+    return None
+
+
 def weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q8_0Weight,
                        round_x_twice: bool = False) -> torch.Tensor:
     """x [N, in] @ weight.T -> [N, out] in x's dtype (float32 or bfloat16, as the weight was quantized for).
     round_x_twice: where the kernel rounds x, the rounding's residual rounded and multiplied too (`block_matmul`)."""
+    block = block_form(weight)
+    if block is not None:
+        return block_matmul(x, *block, round_x_twice)
     if isinstance(weight, Int8Weight):
         return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
-    if isinstance(weight, Q8_0Weight):
-        return block_matmul(x, weight.packed, weight.scales, "q8_0", round_x_twice)
-    if weight.rounds_x:
-        return block_matmul(x, weight.packed, weight.packed_scales, "q4_1", round_x_twice)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scales_and_zeros)
 
 
@@ -166,10 +175,9 @@ def bind_weight_only_matmul(x: torch.Tensor, weight: Int8Weight | Int4Weight | Q
                             round_x_twice: bool = False) -> Callable[[], None]:
     """`weight_only_matmul` of x into out as a call, for a caller that multiplies the same buffers every step: the
     block kernel's checked once and writing into out; PyTorch's kernels allocate their own output, copied."""
-    if isinstance(weight, Q8_0Weight):
-        return bind_block_matmul(x, weight.packed, weight.scales, "q8_0", out, round_x_twice)
-    if isinstance(weight, Int4Weight) and weight.rounds_x:
-        return bind_block_matmul(x, weight.packed, weight.packed_scales, "q4_1", out, round_x_twice)
+    block = block_form(weight)
+    if block is not None:
+        return bind_block_matmul(x, *block, out, round_x_twice)
     return lambda: out.copy_(weight_only_matmul(x, weight, round_x_twice))
 
 

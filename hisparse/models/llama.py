@@ -30,7 +30,6 @@ from hisparse.layers.rotary import HalfSplitRotation, RotaryEmbedding
 from hisparse.layers.vocab_parallel import embed_vocab_share
 from hisparse.models import llama_decode
 from hisparse.models.config import LlamaConfig
-from hisparse.models.llama_decode import LlamaDecodeStep
 
 
 def shard_weight(name: str, weight: torch.Tensor, config: LlamaConfig, tp: TensorParallel) -> torch.Tensor:
@@ -191,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps run on buffers and calls made once per batch size (`models.llama_decode`); False runs
         # every step through the layers' own forward (tests compare the two).
         self.reuse_decode_steps = True
-        self._decode_steps: dict[int, LlamaDecodeStep] = {}
+        self._decode_steps: dict[int, llama_decode.LlamaDecodeStep] = {}
 
     @property
     def attention_scale(self) -> float:
@@ -228,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         if self.reuse_decode_steps and llama_decode.runs(self, backend, n):
             step = self._decode_steps.get(n)
             if step is None or not step.is_current():
-                step = self._decode_steps[n] = LlamaDecodeStep(self, n)
+                step = self._decode_steps[n] = llama_decode.LlamaDecodeStep(self, n)
             return step.run(input_ids, positions, backend)
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)

@@ -35,9 +35,7 @@ def runs(model, backend, batch: int) -> bool:
         return False
     attention = [layer.attn for layer in model.layers]
     if any(a.qkv is None or a.indexer is not a._prepared_indexer or (a.indexer is not None and a.index_key_proj is None)
-           for a in attention):
-        return False
-    if any(layer.mlp.gate_up is None for layer in model.layers):
+           or layer.mlp.gate_up is None for a, layer in zip(attention, model.layers, strict=True)):
         return False
     indexers = any(a.indexer is not None for a in attention)
     return (rms_norm_cpu.available() and rotary_cpu.available() and swiglu_cpu.available()
@@ -139,7 +137,7 @@ class LlamaDecodeStep:
                                self.index_key)
         rotate = rope.bind_rotate(self.index_unrotated, self.index_queries)
         queries = projected[:, :heads * dim].view(self.batch, heads, dim)
-        weights, scales = projected[:, heads * dim + dim:], (heads**-0.5, dim**-0.5)  # `finish_weights`'s order
+        weights = projected[:, heads * dim + dim:]
 
         def index_key() -> None:
             project_key()
@@ -150,7 +148,7 @@ class LlamaDecodeStep:
             key()
             self.index_unrotated.copy_(queries)
             rotate()
-            self.index_weights.copy_(weights).mul_(scales[0]).mul_(scales[1])
+            self.index_weights.copy_(indexer.finish_weights(weights))
         return {"index_key": index_key, "index_all": index_all}
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend) -> torch.Tensor:
