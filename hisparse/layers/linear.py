@@ -6,7 +6,9 @@ Three forms of the same numbers, each where it is fastest on a CPU:
   prompt chunks and for inputs that record gradients; the nn.Linear parameters are views of it, so training and
   tests still see ordinary modules;
 - the same weights prepacked once for oneDNN (`kernels.packed_matmul`), for everything else: decode batches and
-  short chunks in bfloat16, every batch in float32;
+  short chunks in bfloat16, every batch in float32; where AMX is missing, bfloat16 weights are packed for our own
+  kernel instead (`kernels.bf16_matmul_cpu`), which serves every batch that records no gradient (it reads the
+  weights twice as fast at small batches, and multiplies a little faster at large ones);
 - quantized (`kernels.weight_only_matmul`), for batches below `DENSE_FROM_BATCH` / `VNNI_DENSE_FROM`, where
   reading 8 or 4 bits instead of 16 is what counts; from there on the kernel's in-register dequantization costs
   more than the bytes it saves (without AMX, the block kernel's int8 products outrun bfloat16 at any batch for the
@@ -26,7 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hisparse.kernels import block_matmul_cpu
+from hisparse.kernels import bf16_matmul_cpu, block_matmul_cpu
+from hisparse.kernels.bf16_matmul_cpu import bf16_matmul, bind_bf16_matmul, pack_bf16
 from hisparse.kernels.c_library import autograd_records, cpu_flags
 from hisparse.kernels.packed_matmul import pack_weight, packed_matmul, packing_available
 from hisparse.kernels.weight_only_matmul import (
@@ -62,6 +65,11 @@ SMALL_WEIGHT_DENSE_FROM = 17
 # stay packed, MKL's sgemm being the slower at every batch measured (a 1536-token prefill on an AMD EPYC: 2.92
 # against 3.48 s).
 PACKED_UP_TO_BATCH = {torch.bfloat16: 320, torch.float32: None}
+# Without AMX, bfloat16 weights are packed for `kernels.bf16_matmul_cpu` rather than for oneDNN, and it multiplies
+# every batch: faster than both oneDNN forms at every batch measured (the default model's stack of linears, packed
+# / ours: 8.7-10.1 / 4.0-5.9 ms at batch 1, 14.4 / 11.1 at 16, 129 / 122 at 256; plain / ours: 269 / 247 at 512,
+# 576 / 490 at 1024). With AMX, oneDNN multiplies in tiles and its forms stay.
+STREAMED_BF16 = not AMX
 
 
 def linear_kind(quantization: str) -> str:
@@ -78,7 +86,8 @@ class InferenceWeight:
 
     quantization: "none", "int8" (per output channel), "int4" (Q4_1's groups of 32; a shape the int4 kernel
     cannot pack falls back to int8) or "q8_0" (see above). Batches from `dense_from` on multiply by the dense
-    weights, prepacked for oneDNN where it can (bfloat16 or float32 on a CPU; bfloat16 up to PACKED_UP_TO_BATCH)."""
+    weights, prepacked where it can be: bfloat16 for our kernel where AMX is missing (`streamed`, every batch), else
+    bfloat16 or float32 for oneDNN on a CPU (`packed`; bfloat16 up to PACKED_UP_TO_BATCH)."""
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", dense_from: int | None = None,
                  round_x_twice: bool = False) -> None:
@@ -102,7 +111,11 @@ class InferenceWeight:
             own = VNNI_DENSE_FROM[round_x_twice] if self.quantized.rounds_x else DENSE_FROM_BATCH[self.kind]
             self.dense_from = dense_from or own
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
-        self.packed = pack_weight(weight) if packing_available(weight) else None
+        self.out_features = weight.shape[0]
+        # The packed form: for our bfloat16 kernel, else for oneDNN's.
+        self.streamed = (pack_bf16(weight) if STREAMED_BF16 and bf16_matmul_cpu.fits(weight)
+                         and bf16_matmul_cpu.available() else None)
+        self.packed = pack_weight(weight) if self.streamed is None and packing_available(weight) else None
         self.packed_up_to = PACKED_UP_TO_BATCH.get(weight.dtype)
 
     @classmethod
@@ -121,14 +134,29 @@ class InferenceWeight:
         batch = x.shape[0]
         if batch < self.dense_from:
             return weight_only_matmul(x, self.quantized, self.round_x_twice)
-        if (self.packed is not None and (self.packed_up_to is None or batch <= self.packed_up_to)
-                and not autograd_records(x)):  # oneDNN's packed matmul has no backward
+        if self._streams(x):
+            return bf16_matmul(x, self.streamed, self.out_features)
+        if self.packed is not None and self._packed_takes(x):
             return packed_matmul(x, self.packed)
         return x @ self.t
 
+    def _packed_takes(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN's packed form may multiply this x of at least `dense_from` rows: up to `packed_up_to` of
+        them, recording no gradient (the packed matmul has no backward)."""
+        return (self.packed_up_to is None or x.shape[0] <= self.packed_up_to) and not autograd_records(x)
+
+    def _streams(self, x: torch.Tensor) -> bool:
+        """Whether our bfloat16 kernel multiplies this x, at any batch: packed for it, x in bfloat16 recording no
+        gradient, the kernel loaded (not under `c_library.eager()`, where the plain tensor serves)."""
+        return (self.streamed is not None and x.dtype == torch.bfloat16 and not autograd_records(x)
+                and bf16_matmul_cpu.available())
+
     def bind(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """`self(x)` into out as a call, for a caller that multiplies the same buffers every step (a decode step's,
-        `models.llama_decode`): the block kernel's checked once; the other kernels' outputs copied into out."""
+        `models.llama_decode`): the block kernel and our bfloat16 kernel checked once; oneDNN's outputs copied into
+        out."""
         if x.shape[0] < self.dense_from:
             return bind_weight_only_matmul(x, self.quantized, out, self.round_x_twice)
+        if self._streams(x):
+            return bind_bf16_matmul(x, self.streamed, out)
         return lambda: out.copy_(self(x))
