@@ -1,14 +1,13 @@
-// x [B, K] @ W.T -> [B, N], x, W [N, K] and the output bfloat16, for small batches: AVX512-BF16 dot products over
-// a layout of W that streams. Built and loaded by bf16_matmul_cpu.py, which writes the layout.
+// x [B, K] @ W.T -> [B, N], x, W [N, K] and the output bfloat16: AVX512-BF16 dot products over a layout of W
+// that streams. Built and loaded by bf16_matmul_cpu.py, which writes the layout.
 //
 // vdpbf16ps adds to each of 16 float32 lanes the products of two bfloat16 pairs. Rows of W go in groups of 16, one
 // per lane (the last group padded with zero rows): for each pair of inputs (2p, 2p + 1), one 64-byte vector holds the
 // pair of every row of the group, so a group is K / 2 vectors read in order, and a broadcast of x's pair multiplies
-// all 16 rows at once. A tile is G
-// groups by B rows of x, G x B accumulators in registers: each weight vector is loaded once per tile and each
-// broadcast serves G groups. Every output's sum runs over the pairs in order in one accumulator whatever the tile,
-// so a row of x gets the same bits at any batch size. Sums are float32; the output is rounded to the nearest even
-// bfloat16, as PyTorch rounds.
+// all 16 rows at once. A tile is G groups by B rows of x, G x B accumulators in registers: each weight vector is
+// loaded once per tile and each broadcast serves G groups. Every output's sum runs over the pairs in order in one
+// accumulator whatever the tile, so a row of x gets the same bits at any batch size. Sums are float32 (vdpbf16ps
+// flushes denormals); the output is rounded by vcvtneps2bf16, to the nearest even as PyTorch rounds.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -18,16 +17,6 @@
 #define ROWS 16            // rows of W per group: one per float32 lane
 #define PREFETCH 2048      // bytes ahead in a group's stream: the hardware prefetcher alone lags at small batches
 #define MAX_TILE 16        // accumulators a tile keeps (G x B)
-
-// float32 lanes -> bfloat16, to the nearest even (a NaN stays a NaN), as bfloat16.h's float_to_bf16
-static inline __m256i to_bf16(__m512 values) {
-    __m512i bits = _mm512_castps_si512(values);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(rounded);
-}
 
 // Groups group .. group + G - 1 of W for rows first .. first + B - 1 of x (G and B constants after inlining).
 static inline __attribute__((always_inline)) void tile(int G, int B, const uint16_t *x, int64_t in_features,
@@ -56,7 +45,8 @@ static inline __attribute__((always_inline)) void tile(int G, int B, const uint1
         const int64_t column = (group + g) * ROWS, left = out_features - column;
         const __mmask16 valid = left >= ROWS ? 0xFFFF : (__mmask16)((1u << left) - 1);  // the padded group's real rows
         for (int b = 0; b < B; b++)
-            _mm256_mask_storeu_epi16(out + (first + b) * out_features + column, valid, to_bf16(acc[g * B + b]));
+            _mm256_mask_storeu_epi16(out + (first + b) * out_features + column, valid,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[g * B + b]));
     }
 }
 

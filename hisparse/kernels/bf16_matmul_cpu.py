@@ -1,5 +1,5 @@
-"""bfloat16 matmuls for decode batches and short chunks where AMX is missing: AVX512-BF16 dot products over a layout
-of the weight that streams (`bf16_matmul_cpu.c`).
+"""bfloat16 matmuls where AMX is missing: AVX512-BF16 dot products over a layout of the weight that streams
+(`bf16_matmul_cpu.c`).
 
 A decode step reads every weight once, so at small batches its time is the weights' bytes over the memory bandwidth.
 On an AMD EPYC without AMX, oneDNN's packed bfloat16 kernels read them at about half the bandwidth this machine has

@@ -61,9 +61,9 @@ VNNI_DENSE_FROM = {False: 32, True: 32} if AMX else {False: math.inf, True: 128}
 # A small weight (the indexer's projections, a third of a megabyte) pays the dense path's fixed cost per call more
 # than its bytes: the int8 kernel stays faster up to batch 16 (engine step at batch 8: 33.6 against 35.6 ms).
 SMALL_WEIGHT_DENSE_FROM = 17
-# Larger bfloat16 batches (long prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`); float32 ones
-# stay packed, MKL's sgemm being the slower at every batch measured (a 1536-token prefill on an AMD EPYC: 2.92
-# against 3.48 s).
+# On oneDNN, larger bfloat16 batches (long prompt chunks) multiply by the plain tensor (`kernels.packed_matmul`);
+# float32 ones stay packed, MKL's sgemm being the slower at every batch measured (a 1536-token prefill on an AMD
+# EPYC: 2.92 against 3.48 s).
 PACKED_UP_TO_BATCH = {torch.bfloat16: 320, torch.float32: None}
 # Without AMX, bfloat16 weights are packed for `kernels.bf16_matmul_cpu` rather than for oneDNN, and it multiplies
 # every batch: faster than both oneDNN forms at every batch measured (the default model's stack of linears, packed
@@ -111,7 +111,6 @@ class InferenceWeight:
             own = VNNI_DENSE_FROM[round_x_twice] if self.quantized.rounds_x else DENSE_FROM_BATCH[self.kind]
             self.dense_from = dense_from or own
         self.t = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()
-        self.out_features = weight.shape[0]
         # The packed form: for our bfloat16 kernel, else for oneDNN's.
         self.streamed = (pack_bf16(weight) if STREAMED_BF16 and bf16_matmul_cpu.fits(weight)
                          and bf16_matmul_cpu.available() else None)
@@ -135,7 +134,7 @@ class InferenceWeight:
         if batch < self.dense_from:
             return weight_only_matmul(x, self.quantized, self.round_x_twice)
         if self._streams(x):
-            return bf16_matmul(x, self.streamed, self.out_features)
+            return bf16_matmul(x, self.streamed, self.t.shape[1])
         if self.packed is not None and self._packed_takes(x):
             return packed_matmul(x, self.packed)
         return x @ self.t
