@@ -11,6 +11,7 @@ passes its K and V heads; an MLA layer passes its absorbed query and its latent 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -37,4 +38,14 @@ class AttentionBackend(Protocol):
         index_*: the layer's lightning-indexer query [N, H_I, d_I], key [N, d_I] and per-head weights
         [N, H_I] for the same tokens, when the layer has an indexer of its own. Returns [N, Hq, Dv].
         """
+        ...
+
+    def bind_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, index_q: torch.Tensor | None,
+                    index_k: torch.Tensor | None, index_w: torch.Tensor | None,
+                    out: torch.Tensor) -> Callable[[int], None] | None:
+        """For a decode-only step run on buffers the model keeps (`models.llama_decode`): `attend` of every layer
+        as one call, `call(layer)`, reading these tensors as they will be then and writing out [N, Hq, Dv], its
+        kernels checked and bound once for the step; None where the backend has no such call for this step (the
+        model then calls `attend`). A decode step at batch 1 spent more time in `attend`'s checks, allocations and
+        dispatch than in its kernels."""
         ...

@@ -97,6 +97,14 @@ def write_rows(pool: torch.Tensor, slots: torch.Tensor, layout: RowLayout, k: to
         pool.index_copy_(0, slots, layout.pack(k, v).to(pool.device))
 
 
+def compiled_rows(layout: RowLayout, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor | None) -> bool:
+    """Whether `write_rows` and `attend_rows` run their C kernels on these (a pool of one layer, or of all): what a
+    decode step binds once (`kernels.kv_rows_cpu.bind_write_kv_rows`, `decode_attention_cpu.bind_*`)."""
+    return (isinstance(layout, KVLayout) and v is not None and kv_rows_cpu.takes(pool, k, v)
+            and decode_attention_cpu.takes(pool, q) and kv_rows_cpu.available() and decode_attention_cpu.available())
+
+
 def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,
                 layout: RowLayout) -> torch.Tensor:
     """Decode attention of q [B, Hq, Dk], one query per request, over the pool rows rows [B, L] (-1: none).

@@ -9,9 +9,12 @@ on the device, the fast path, per-layer swap-in, counters, the reference's sizin
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
-from hisparse.attention.functional import attend_rows, write_rows
+from hisparse.attention.functional import attend_rows, compiled_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
@@ -19,6 +22,11 @@ from hisparse.attention.step_selection import StepSelection, index_query_rows, r
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
+from hisparse.kernels.decode_attention_cpu import bind_sparse_decode_attention
+from hisparse.kernels.index_keys_cpu import bind_write_int8_keys
+from hisparse.kernels.index_scores_cpu import bind_int8_top_k
+from hisparse.kernels.kv_rows_cpu import bind_write_kv_rows
+from hisparse.kernels.lru_page_table_cpu import PARALLEL_MIN_SELECTED, bind_page_tables
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 
@@ -124,3 +132,43 @@ class HiSparseAttention:
         selected, next_ranked = self.selection.decode(layer, index_q, index_w, self.index_slots, self.lengths, num_next)
         page = cache.page_table(layer, self.step, selected, next_ranked)
         return attend_rows(device_kv, page, q, cache.scale, cache.layout)
+
+    def bind_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor | None,
+                    index_k: torch.Tensor | None, index_w: torch.Tensor | None,
+                    out: torch.Tensor) -> Callable[[int], None] | None:
+        """`attend` of this decode-only step as C calls bound once (`AttentionBackend.bind_decode`), where every
+        request has outgrown its hot buffer, swaps in with the CPU's lru page table and selects with int8 keys;
+        else None."""
+        cache, step = self.cache, self.step if self.decode_only else None
+        sparse = cache.sparse
+        tables = [getattr(swap_in, "lru_page_table", None) for swap_in in cache.swap_in]
+        if (step is None or step.has_fast or cache.num_next_ranks or not self.reads_index_queries or index_q is None
+                or not cache.selector.compiled_scores or not cache.index_cache.compiled_write or not all(tables)
+                or any(sparse.shares_selection(layer) for layer in range(cache.num_layers))
+                or not compiled_rows(cache.layout, cache.device_kv, q, k, v)):
+            return None
+        keys = cache.index_cache
+        selected = torch.empty(len(self.decode), min(sparse.top_k, self.index_slots.shape[1]), dtype=torch.int64)
+        page = torch.empty_like(selected)
+        self.bound_buffers = (selected, page)  # what the calls read and write by address, alive with the step
+        write_host = bind_write_kv_rows(cache.host_kv, self.host_write, k, v)
+        write_device = bind_write_kv_rows(cache.device_kv, step.device_write, k, v)
+        write_keys = bind_write_int8_keys(keys.rows, self.index_write, index_k)
+        select = bind_int8_top_k(keys.rows, keys.index_dim, self.index_slots, index_q, index_w, self.lengths,
+                                 selected.shape[1], selected)
+        page_table = bind_page_tables(tables, selected, step.swap_rows, step.swap_newest, step.swap_reserved, page,
+                                      page.numel() >= PARALLEL_MIN_SELECTED)
+        attend_page = bind_sparse_decode_attention(cache.device_kv, page, q, cache.scale, cache.layout.num_kv_heads,
+                                                   cache.layout.head_dim, out)
+        seconds = cache.counters.seconds
+
+        def attend(layer: int) -> None:
+            write_host(layer)
+            write_device(layer)
+            write_keys(layer)
+            select(layer)
+            start = time.perf_counter()
+            page_table(layer)
+            seconds[layer] += time.perf_counter() - start
+            attend_page(layer)
+        return attend

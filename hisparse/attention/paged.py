@@ -177,6 +177,10 @@ class PagedAttention:
             out[at] = self._decode(layer, pool, q[at], index_q, index_w)
         return out
 
+    def bind_decode(self, q, k, v, index_q, index_k, index_w, out):
+        """No calls bound here: `attend` serves every step (`AttentionBackend.bind_decode`)."""
+        return None
+
     def _decode(self, layer, pool, q, index_q, index_w):
         """The decode queries' attention: over every row of their requests, or over the rows the indexer selects."""
         cache, sparse = self.cache, self.cache.sparse

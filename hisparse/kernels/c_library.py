@@ -52,6 +52,22 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+class LayerAddresses:
+    """The address of each layer of a [L, ...] contiguous pool: a call bound for a whole decode step (the kernels'
+    `bind_*` that take pools) passes one layer's per call. Keeps the pool alive."""
+
+    def __init__(self, pools: torch.Tensor) -> None:
+        if not pools.is_contiguous():
+            raise ValueError("a pool of layers must be contiguous")
+        self.pools = pools
+        self.base, self.stride, self.count = pools.data_ptr(), pools.stride(0) * pools.element_size(), pools.shape[0]
+
+    def address(self, layer: int) -> int:
+        if not 0 <= layer < self.count:
+            raise IndexError(f"layer {layer} is not one of the pool's {self.count}")
+        return self.base + layer * self.stride
+
+
 LIBRARIES: list[CLibrary] = []  # every kernel's library, as its module declared it
 _eager = False  # within `eager()`: libraries declared meanwhile start unavailable too
 

@@ -24,11 +24,12 @@ Rows whose index is -1 take no part; a request with none gets zeros.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary
+from hisparse.kernels.c_library import FLOAT, INT, INT64, POINTER, CLibrary, LayerAddresses
 from hisparse.kernels.numba_threads import on_torch_team
 
 # batch x rows from which the call runs on the thread team: requests in parallel, and a request's query heads split
@@ -69,30 +70,48 @@ def sparse_decode_attention(pool: torch.Tensor, rows: torch.Tensor, q: torch.Ten
     it cost more than the attention (over a bfloat16 pool with AVX512-BF16, multiplied as bfloat16 pairs, its
     products exact and summed in float32). A request without rows gets zeros.
     """
-    if not (pool.is_cpu and rows.is_cpu and q.is_cpu):
+    if q.dim() == 3 and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    bind_sparse_decode_attention(pool.unsqueeze(0), rows.contiguous(), q, scale, num_kv_heads, head_dim, out)(0)
+    return out
+
+
+def bind_sparse_decode_attention(pools: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,
+                                 num_kv_heads: int, head_dim: int, out: torch.Tensor) -> Callable[[int], None]:
+    """`sparse_decode_attention` over layer l of pools [L, N, 2 * Hkv * D] into out ([B, Hq, D] of q's dtype,
+    contiguous) as a call checked once, `call(l)`, for a caller that attends with the same buffers in every layer
+    (a decode step); rows contiguous, each request's query heads contiguous. The caller keeps the tensors alive."""
+    if not (pools.is_cpu and rows.is_cpu and q.is_cpu):
         raise ValueError("sparse_decode_attention reads CPU memory: pool, rows and q must be CPU tensors")
-    if pool.dtype not in _DTYPES or pool.dim() != 2 or not pool.is_contiguous():
-        raise ValueError(f"the pool must be a contiguous 2-d float32 or bfloat16 tensor, got {pool.dim()}-d "
-                         f"{pool.dtype}")
+    if pools.dtype not in _DTYPES or pools.dim() != 3 or not pools.is_contiguous():
+        raise ValueError(f"the pool must be a contiguous 2-d float32 or bfloat16 tensor, got {pools.dim() - 1}-d "
+                         f"{pools.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_heads, dim = q.shape
-    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[0] != batch:
+    if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[0] != batch or not rows.is_contiguous():
         raise ValueError(f"rows must be [{batch}, L] int64 (one row per query), got {tuple(rows.shape)} {rows.dtype}")
-    if (dim != head_dim or num_heads % num_kv_heads or pool.shape[1] != 2 * num_kv_heads * head_dim
+    if (dim != head_dim or num_heads % num_kv_heads or pools.shape[2] != 2 * num_kv_heads * head_dim
             or num_heads > MAX_QUERY_HEADS or num_heads * dim > MAX_HEAD_VALUES):
-        raise ValueError(f"q {tuple(q.shape)} and pool rows of {pool.shape[1]} do not fit {num_kv_heads} KV heads "
+        raise ValueError(f"q {tuple(q.shape)} and pool rows of {pools.shape[2]} do not fit {num_kv_heads} KV heads "
                          f"of {head_dim} (at most {MAX_QUERY_HEADS} query heads, {MAX_HEAD_VALUES} values)")
     if q.dtype not in _DTYPES:
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     if q.stride(2) != 1 or q.stride(1) != dim:
-        q = q.contiguous()
-    rows = rows.contiguous()
-    out = torch.empty(batch, num_heads, dim, dtype=q.dtype)
-    error = _LIBRARY.load().decode_attention(
-        pool.data_ptr(), pool.shape[0], pool.dtype == torch.bfloat16, rows.data_ptr(), batch, rows.shape[1],
-        q.data_ptr(), q.stride(0), q.dtype == torch.bfloat16, scale, num_kv_heads, num_heads // num_kv_heads, dim,
-        out.data_ptr(), rows.numel() >= PARALLEL_MIN_ROWS)
-    if error == 1:
-        raise ValueError(f"rows must be -1 or in [0, {pool.shape[0]}), got {int(rows.min())} .. {int(rows.max())}")
-    if error:
-        raise MemoryError("decode attention could not allocate its scores")
-    return out
+        raise ValueError("each request's query heads must be contiguous")
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_cpu or not out.is_contiguous():
+        raise ValueError(f"the output must be contiguous {tuple(q.shape)} {q.dtype} in CPU memory")
+    layers, function = LayerAddresses(pools), _LIBRARY.load().decode_attention
+    arguments = (pools.shape[1], pools.dtype == torch.bfloat16, rows.data_ptr(), batch, rows.shape[1], q.data_ptr(),
+              q.stride(0), q.dtype == torch.bfloat16, scale, num_kv_heads, num_heads // num_kv_heads, dim,
+              out.data_ptr(), rows.numel() >= PARALLEL_MIN_ROWS)
+
+    def attend(layer: int) -> None:
+        error = function(layers.address(layer), *arguments)
+        if error == 1:
+            raise ValueError(f"rows must be -1 or in [0, {pools.shape[1]}), got {int(rows.min())} .. "
+                             f"{int(rows.max())}")
+        if error:
+            raise MemoryError("decode attention could not allocate its scores")
+    return attend

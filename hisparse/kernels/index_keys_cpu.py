@@ -10,11 +10,12 @@ cache writes with PyTorch's ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary, LayerAddresses
 
 _LIBRARY = CLibrary(
     Path(__file__).with_suffix(".c"),
@@ -27,14 +28,25 @@ def write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor)
     """rows uint8 [S, head_dim + 4] (head_dim int8 values, then the fp32 scale); slots int64 [N]; keys float
     [N, head_dim]; all in CPU memory. Row slots[i] <- key i, quantized; a slot outside the rows writes nothing
     and raises ValueError."""
+    bind_write_int8_keys(rows.unsqueeze(0), slots.contiguous(), keys.float().contiguous())(0)
+
+
+def bind_write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> Callable[[int], None]:
+    """`write_int8_keys` into layer l of rows [L, S, head_dim + 4] as a call checked once, `call(l)`, for a caller
+    that writes the same keys (float32, contiguous) of every layer; the caller keeps slots and keys alive."""
     n, head_dim = keys.shape
-    if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != head_dim + 4 or not rows.is_contiguous()
+    if (rows.dtype != torch.uint8 or rows.dim() != 3 or rows.shape[2] != head_dim + 4 or not rows.is_contiguous()
             or not (rows.is_cpu and keys.is_cpu and slots.is_cpu)):
-        raise ValueError(f"rows must be contiguous uint8 [S, {head_dim + 4}] in CPU memory, got {tuple(rows.shape)} "
-                         f"{rows.dtype}")
-    if slots.shape != (n,) or slots.dtype != torch.int64:
-        raise ValueError(f"slots must be {n} int64 rows in [0, {rows.shape[0]})")
-    keys, slots = keys.float().contiguous(), slots.contiguous()
-    if _LIBRARY.load().write_int8_keys(rows.data_ptr(), rows.shape[0], slots.data_ptr(), keys.data_ptr(), n,
-                                       head_dim):
-        raise ValueError(f"slots must be {n} int64 rows in [0, {rows.shape[0]})")
+        raise ValueError(f"rows must be contiguous uint8 [S, {head_dim + 4}] in CPU memory, got "
+                         f"{tuple(rows.shape[1:])} {rows.dtype}")
+    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slots must be {n} int64 rows in [0, {rows.shape[1]})")
+    if keys.dtype != torch.float32 or not keys.is_contiguous():
+        raise ValueError("the keys must be contiguous float32")
+    layers, function = LayerAddresses(rows), _LIBRARY.load().write_int8_keys
+    arguments = (rows.shape[1], slots.data_ptr(), keys.data_ptr(), n, head_dim)
+
+    def write(layer: int) -> None:
+        if function(layers.address(layer), *arguments):
+            raise ValueError(f"slots must be {n} int64 rows in [0, {rows.shape[1]})")
+    return write

@@ -22,11 +22,12 @@ scores with PyTorch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary, LayerAddresses
 from hisparse.kernels.numba_threads import on_torch_team
 
 # batch x keys from which the tiles run on the thread team. On torch's own OpenMP team (numba_threads), awake from the
@@ -65,17 +66,33 @@ def int8_top_k(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.
     """int64 [B, k]: `top_k_cpu.top_k_ascending(int8_past_scores(...), k)` in one call, 0 <= k <= W: each row's k best
     positions, ascending, ties to the earlier, -1 padded. Each request's scores are ranked while they are still in
     its core's cache, and the step's selection is one parallel region instead of two."""
-    _check("int8_top_k", rows, head_dim, slots, q, w, lengths)
+    out = torch.empty(slots.shape[0], max(k, 0), dtype=torch.int64)
+    bind_int8_top_k(rows.unsqueeze(0), head_dim, slots, q, w, lengths, k, out)(0)
+    return out
+
+
+def bind_int8_top_k(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                    lengths: torch.Tensor, k: int, out: torch.Tensor) -> Callable[[int], None]:
+    """`int8_top_k` over layer l of rows [L, N, head_dim + 4] into out (int64 [B, k], contiguous) as a call checked
+    once, `call(l)`, for a caller that selects with the same queries' buffers in every layer (a decode step); the
+    caller keeps the tensors alive."""
+    _check("int8_top_k", rows[0], head_dim, slots, q, w, lengths)
     batch, width = slots.shape
     if not 0 <= k <= width:
         raise ValueError(f"int8_top_k: k must be in [0, {width}] (the slots' width), got {k}")
-    out = torch.empty(batch, k, dtype=torch.int64)
-    if k == 0:
-        return out
+    if out.shape != (batch, k) or out.dtype != torch.int64 or not out.is_cpu or not out.is_contiguous():
+        raise ValueError(f"int8_top_k writes contiguous int64 [{batch}, {k}] in CPU memory")
+    layers, function = LayerAddresses(rows), _LIBRARY.load().int8_top_k
     scores = torch.empty(batch, width)
-    _raise_on(_LIBRARY.load().int8_top_k(*_arguments(rows, head_dim, slots, q, w, lengths), k, scores.data_ptr(),
-                                         out.data_ptr(), batch * width >= PARALLEL_MIN_KEYS), "int8_top_k", rows, width)
-    return out
+    arguments = (*_arguments(rows[0], head_dim, slots, q, w, lengths)[1:], k, scores.data_ptr(), out.data_ptr(),
+                 batch * width >= PARALLEL_MIN_KEYS)
+
+    def select(layer: int) -> None:
+        error = function(layers.address(layer), *arguments) if k else 0
+        if error:
+            _raise_on(error, "int8_top_k", rows[0], width)
+    select.scores = scores  # its scratch, read by address
+    return select
 
 
 def _check(name: str, rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: torch.Tensor, w: torch.Tensor,

@@ -8,11 +8,12 @@ of the projection they lie in. Built on first use (`kernels.c_library`); where i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary
+from hisparse.kernels.c_library import INT, INT64, POINTER, CLibrary, LayerAddresses
 
 _LIBRARY = CLibrary(
     Path(__file__).with_suffix(".c"),
@@ -32,14 +33,27 @@ def takes(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def write_kv_rows(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """pool[slots[i]] <- K then V of token i, for pool [S, 2 * H * D] and k, v [N, H, D]; slots int64 [N], each
     in [0, S) (else ValueError, and nothing is written)."""
+    bind_write_kv_rows(pool.unsqueeze(0), slots.contiguous(), k, v)(0)
+
+
+def bind_write_kv_rows(pools: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> Callable[[int], None]:
+    """`write_kv_rows` into layer l of pools [L, S, 2 * H * D] as a call checked once, `call(l)`, for a caller that
+    writes the same rows of every layer (a decode step); slots contiguous. The caller keeps slots, k and v alive
+    while it calls (the call reads them by address)."""
     n, heads, dim = k.shape if k.dim() == 3 else (-1, -1, -1)
-    if (not takes(pool, k, v) or pool.dim() != 2 or pool.shape[1] != 2 * heads * dim or slots.shape != (n,)
-            or slots.dtype != torch.int64 or not slots.is_cpu):
+    if (pools.dim() != 3 or not takes(pools, k, v) or pools.shape[2] != 2 * heads * dim or slots.shape != (n,)
+            or slots.dtype != torch.int64 or not slots.is_cpu or not slots.is_contiguous()):
         raise ValueError(f"write_kv_rows takes a contiguous pool [S, 2 H D], int64 slots [N] and K, V [N, H, D] of "
                          f"the pool's dtype with each token's heads contiguous, in CPU memory; got pool "
-                         f"{tuple(pool.shape)} {pool.dtype}, slots {tuple(slots.shape)}, K {tuple(k.shape)} {k.dtype}")
-    slots, size = slots.contiguous(), pool.element_size()
-    if _LIBRARY.load().write_kv_rows(pool.data_ptr(), pool.shape[0], pool.shape[1] * size, slots.data_ptr(), n,
-                                     k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                                     heads * dim * size):
-        raise ValueError(f"write_kv_rows: a slot is outside the pool's {pool.shape[0]} rows")
+                         f"{tuple(pools.shape[1:])} {pools.dtype}, slots {tuple(slots.shape)}, K {tuple(k.shape)} "
+                         f"{k.dtype}")
+    size, layers = pools.element_size(), LayerAddresses(pools)
+    function = _LIBRARY.load().write_kv_rows
+    arguments = (pools.shape[1], pools.shape[2] * size, slots.data_ptr(), n, k.data_ptr(), k.stride(0) * size,
+                 v.data_ptr(), v.stride(0) * size, heads * dim * size)
+
+    def write(layer: int) -> None:
+        if function(layers.address(layer), *arguments):
+            raise ValueError(f"write_kv_rows: a slot is outside the pool's {pools.shape[1]} rows")
+    return write

@@ -17,6 +17,7 @@ first use (`kernels.c_library`); where it cannot be, `available()` is False and 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,26 +71,37 @@ class LruPageTable:
         self._tables = LruTables(slot_pos.data_ptr(), lru.data_ptr(), device_rows.data_ptr(), host_rows.data_ptr(),
                                  slot_pos.shape[0], slot_pos.shape[1], self.context, host_kv.data_ptr(),
                                  device_kv.data_ptr(), row_bytes, totals.data_ptr())
-        self._address = ctypes.addressof(self._tables)
-        self._detail = ctypes.c_int64(0)
-        self._detail_address = ctypes.addressof(self._detail)
+        self.address = ctypes.addressof(self._tables)  # what the C function takes
 
     def __call__(self, selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, reserved: torch.Tensor,
                  parallel: bool) -> torch.Tensor:
         """Device rows [B, K] of the selected positions (int64 [B, K], -1 padding), missed rows swapped in first;
         newest[b] reads reserved[b]; rows, newest, reserved int64 [B]: all contiguous on the CPU."""
-        batch, width = selected.shape
-        step = (selected, rows, newest, reserved)
-        if not all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in step):
-            raise ValueError("LruPageTable takes contiguous int64 CPU tensors")
-        if not rows.shape == newest.shape == reserved.shape == (batch,):
-            raise ValueError(f"rows, newest and reserved must be [{batch}], one per selected row")
-        page = torch.empty(batch, width, dtype=torch.int64)
-        code = _LIBRARY.load().lru_page_table(self._address, selected.data_ptr(), batch, width, rows.data_ptr(),
-                                              newest.data_ptr(), reserved.data_ptr(), page.data_ptr(), parallel,
-                                              self._detail_address)
+        page = torch.empty(selected.shape, dtype=torch.int64)
+        bind_page_tables([self], selected, rows, newest, reserved, page, parallel)(0)
+        return page
+
+
+def bind_page_tables(tables: list[LruPageTable], selected: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor,
+                     reserved: torch.Tensor, page: torch.Tensor, parallel: bool) -> Callable[[int], None]:
+    """`LruPageTable.__call__` of tables[l] into page (int64 [B, K], contiguous) as a call checked once, `call(l)`,
+    for a caller that swaps every layer in with the same buffers (a decode step, whose selection each layer writes
+    in place); the caller keeps them alive."""
+    batch, width = selected.shape
+    step = (selected, rows, newest, reserved, page)
+    if not all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in step):
+        raise ValueError("LruPageTable takes contiguous int64 CPU tensors")
+    if not rows.shape == newest.shape == reserved.shape == (batch,) or page.shape != selected.shape:
+        raise ValueError(f"rows, newest and reserved must be [{batch}], one per selected row, and the page table "
+                         f"[{batch}, {width}]")
+    function, addresses, detail = _LIBRARY.load().lru_page_table, [t.address for t in tables], ctypes.c_int64(0)
+    arguments = (selected.data_ptr(), batch, width, rows.data_ptr(), newest.data_ptr(), reserved.data_ptr(),
+                 page.data_ptr(), parallel, ctypes.addressof(detail))
+
+    def page_table(layer: int) -> None:
+        code = function(addresses[layer], *arguments)
         if code == -1:
             raise MemoryError("lru_page_table: no memory for its scratch")
         if code:
-            raise_value_error(code, self._detail.value, self.table_shape, self.context)
-        return page
+            raise_value_error(code, detail.value, tables[layer].table_shape, tables[layer].context)
+    return page_table

@@ -53,4 +53,8 @@ class LightningIndexer(nn.Module):
 
     def finish_weights(self, projected: torch.Tensor) -> torch.Tensor:
         """`head_weights` from the projection weights_proj(x), for a model that computes it in a matmul of its own."""
-        return projected.float() * (self.n_heads**-0.5) * (self.head_dim**-0.5)
+        return self.finish_weights_into(projected, torch.empty(projected.shape, device=projected.device))
+
+    def finish_weights_into(self, projected: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`finish_weights` into out (float32, projected's shape), for a caller that keeps a buffer for it."""
+        return out.copy_(projected).mul_(self.n_heads**-0.5).mul_(self.head_dim**-0.5)

@@ -1,13 +1,14 @@
 """A Llama decode-only step whose tensors are allocated once per batch size and whose kernels are checked once.
 
-At batch 1 the default model's decode step spent more time in Python than in its kernels (int4: 4.5 ms of C in a
-9.2 ms step): each of a layer's dozen kernel calls sat behind a module call, a wrapper's checks and an allocation.
+At batch 1 the default model's decode step spent more time in Python than in its kernels (int4: 4.5 ms of C in a 9.2
+ms step): each of a layer's dozen kernel calls sat behind a module call, a wrapper's checks and an allocation.
 gpt-fast and vLLM capture their decode step once (CUDA graphs, torch.compile's static buffers) and replay it; here
 the step's activations live in buffers made once per batch size, every kernel is bound to them once (the kernels'
-`bind_*`), and a layer is those prebound calls plus the attention backend's one, which stays dynamic (it reads the
-step's page tables). It runs what `LlamaForCausalLM.forward` runs, on the same kernels in the same order, so its
-hidden states are the same bits (tests/models/test_llama_decode.py). The residual add after each MLP is folded into
-the next norm's (`rms_norm_cpu`'s delta), which rounds the sum as PyTorch's add does.
+`bind_*`), and a layer is those prebound calls plus the attention backend's, which the backend binds once per step
+where it can (`AttentionBackend.bind_decode`: its page tables change every step). It runs what
+`LlamaForCausalLM.forward` runs, on the same kernels in the same order, so its hidden states are the same bits
+(tests/models/test_llama_decode.py). The residual add after each MLP is folded into the next norm's (`rms_norm_cpu`'s
+delta), which rounds the sum as PyTorch's add does.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class LlamaDecodeStep:
         rope = HalfSplitRotation.of(cos, sin, dtype)
         self.rope = RotationTables(rope.cos.clone(), rope.sin.clone(), rope.half)
         indexer = next((layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None), None)
+        self.every_layer_indexes = all(layer.attn.indexer is not None for layer in model.layers)
         if indexer is not None:  # its outputs, as `LlamaIndexer.from_projection` gives them (float32)
             index_rope = indexer.rotation(cos, sin)
             self.index_rope = RotationTables(index_rope.cos.clone(), index_rope.sin.clone(), index_rope.half)
@@ -148,7 +150,7 @@ class LlamaDecodeStep:
             key()
             self.index_unrotated.copy_(queries)
             rotate()
-            self.index_weights.copy_(indexer.finish_weights(weights))
+            indexer.finish_weights_into(weights, self.index_weights)
         return {"index_key": index_key, "index_all": index_all}
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend) -> torch.Tensor:
@@ -160,25 +162,29 @@ class LlamaDecodeStep:
         self.rope.cos.copy_(rope.cos)
         self.rope.sin.copy_(rope.sin)
         index_rope = None
+        reads_queries = backend.reads_index_queries
+        index = ({"index_q": self.index_queries, "index_k": self.index_key, "index_w": self.index_weights}
+                 if reads_queries else {"index_k": self.index_key})
+        # The backend's calls bound once for the whole step, where it has them and every layer has an indexer
+        attend = None if not self.every_layer_indexes else backend.bind_decode(
+            self.q, self.k, self.v, index.get("index_q"), self.index_key, index.get("index_w"),
+            self.attention_out.view(self.q.shape))
         for layer, calls in zip(model.layers, self.layers, strict=True):
             attn = layer.attn
             calls["input_norm"]()
             calls["qkv"]()
             calls["rope"]()
-            index = {}
             if attn.indexer is not None:
                 if index_rope is None:
                     index_rope = attn.indexer.rotation(cos, sin)
                     self.index_rope.cos.copy_(index_rope.cos)
                     self.index_rope.sin.copy_(index_rope.sin)
-                if backend.reads_index_queries:
-                    calls["index_all"]()
-                    index = {"index_q": self.index_queries, "index_k": self.index_key, "index_w": self.index_weights}
-                else:
-                    calls["index_key"]()
-                    index = {"index_k": self.index_key}
-            out = backend.attend(attn.layer, self.q, self.k, self.v, **index)
-            self.attention_out.view(out.shape).copy_(out)
+                calls["index_all" if reads_queries else "index_key"]()
+            if attend is not None:
+                attend(attn.layer)  # into attention_out
+            else:
+                out = backend.attend(attn.layer, self.q, self.k, self.v, **(index if attn.indexer is not None else {}))
+                self.attention_out.view(out.shape).copy_(out)
             calls["o"]()
             calls["post_norm"]()
             calls["gate_up"]()

@@ -56,7 +56,10 @@ def test_the_mlp_uses_the_kernel_where_nothing_records_gradients(llama_bf16, mon
         out = mlp(x)
         want = mlp.down_proj(torch_swiglu(torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)))
     assert len(calls) == 1
-    assert torch.allclose(out.float(), want.float(), rtol=0.02, atol=0.02)
+    # Within bfloat16's rounding of the activations, whose largest are in the hundreds in this layer: an output near 0
+    # may sum them in another order (the fused gate_up's kernel against two matmuls) and differ by one of their steps
+    scale = float(want.float().abs().max())
+    torch.testing.assert_close(out.float(), want.float(), rtol=0.02, atol=0.01 * scale)
     long = torch.randn(PACKED_UP_TO_BATCH[torch.bfloat16] + 1, mlp.gate_proj.in_features).bfloat16()
     long.requires_grad_(True)
     mlp(long).float().sum().backward()  # the plain weights' matmul records: PyTorch's path, gradients flow
