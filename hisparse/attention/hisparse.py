@@ -22,11 +22,13 @@ from hisparse.attention.step_selection import StepSelection, index_query_rows, r
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
+from hisparse.kernels import page_rows_cpu
 from hisparse.kernels.decode_attention_cpu import bind_sparse_decode_attention
 from hisparse.kernels.index_keys_cpu import bind_write_int8_keys
 from hisparse.kernels.index_scores_cpu import bind_int8_top_k
 from hisparse.kernels.kv_rows_cpu import bind_write_kv_rows
 from hisparse.kernels.lru_page_table_cpu import PARALLEL_MIN_SELECTED, bind_page_tables
+from hisparse.kernels.page_rows_cpu import bind_page_rows
 from hisparse.memory.hisparse_config import HiSparseConfig
 from hisparse.memory.hisparse_pools import HiSparseAllocation, HiSparsePools
 
@@ -136,37 +138,70 @@ class HiSparseAttention:
     def bind_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor | None,
                     index_k: torch.Tensor | None, index_w: torch.Tensor | None,
                     out: torch.Tensor) -> Callable[[int], None] | None:
-        """`attend` of this decode-only step as C calls bound once (`AttentionBackend.bind_decode`), where every
-        request has outgrown its hot buffer, swaps in with the CPU's lru page table and selects with int8 keys;
-        else None."""
+        """`attend` of this decode-only step as C calls bound once (`AttentionBackend.bind_decode`), where its
+        requests are all on the fast path or all swap in (with the CPU's lru page table), with int8 keys; else None.
+        """
         cache, step = self.cache, self.step if self.decode_only else None
-        sparse = cache.sparse
+        sparse, keys = cache.sparse, cache.index_cache
         tables = [getattr(swap_in, "lru_page_table", None) for swap_in in cache.swap_in]
-        if (step is None or step.has_fast or cache.num_next_ranks or not self.reads_index_queries or index_q is None
-                or not cache.selector.compiled_scores or not cache.index_cache.compiled_write or not all(tables)
-                or any(sparse.shares_selection(layer) for layer in range(cache.num_layers))
-                or not compiled_rows(cache.layout, cache.device_kv, q, k, v)):
+        if (step is None or step.has_fast == step.has_swapping or index_k is None or not keys.compiled_write
+                or not compiled_rows(cache.layout, cache.device_kv, q, k, v)
+                or any(sparse.shares_selection(layer) for layer in range(cache.num_layers))):
             return None
-        keys = cache.index_cache
-        selected = torch.empty(len(self.decode), min(sparse.top_k, self.index_slots.shape[1]), dtype=torch.int64)
+        if step.has_swapping and (cache.num_next_ranks or not all(tables)):
+            return None
+        if self.reads_index_queries and (index_q is None or not cache.selector.compiled_scores):
+            return None
+        if step.has_fast and not page_rows_cpu.available():
+            return None
+        batch, width = self.index_slots.shape
+        selected = torch.empty(batch, min(sparse.top_k, width), dtype=torch.int64)
         page = torch.empty_like(selected)
         self.bound_buffers = (selected, page)  # what the calls read and write by address, alive with the step
         write_host = bind_write_kv_rows(cache.host_kv, self.host_write, k, v)
         write_device = bind_write_kv_rows(cache.device_kv, step.device_write, k, v)
         write_keys = bind_write_int8_keys(keys.rows, self.index_write, index_k)
-        select = bind_int8_top_k(keys.rows, keys.index_dim, self.index_slots, index_q, index_w, self.lengths,
-                                 selected.shape[1], selected)
-        page_table = bind_page_tables(tables, selected, step.swap_rows, step.swap_newest, step.swap_reserved, page,
-                                      page.numel() >= PARALLEL_MIN_SELECTED)
         attend_page = bind_sparse_decode_attention(cache.device_kv, page, q, cache.scale, cache.layout.num_kv_heads,
                                                    cache.layout.head_dim, out)
-        seconds = cache.counters.seconds
+        if self.reads_index_queries:
+            select = bind_int8_top_k(keys.rows, keys.index_dim, self.index_slots, index_q, index_w, self.lengths,
+                                     selected.shape[1], selected)
+        else:  # every position, unscored (`StepSelection.decode`)
+            selected.copy_(self.selection.decode(0, None, None, self.index_slots, self.lengths)[0])
+            select = None
+        if step.has_swapping:
+            return self._bound_swapping(step, tables, select, selected, page, write_host, write_device, write_keys,
+                                        attend_page)
+        # The fast path: position p sits in hot slot p of the request's row of the slot table.
+        hot_slots = cache.device_rows[step.rows]
+        self.bound_buffers += (hot_slots,)
+        look_up = bind_page_rows(hot_slots, selected, page)
+        fast_path = cache.counters.fast_path
+        looked_up = None if select is not None else look_up()  # the same page in every layer
 
         def attend(layer: int) -> None:
             write_host(layer)
             write_device(layer)
             write_keys(layer)
-            select(layer)
+            if select is not None:
+                select(layer)
+            fast_path.add_(look_up() if looked_up is None else looked_up)
+            attend_page(layer)
+        return attend
+
+    def _bound_swapping(self, step, tables, select, selected, page, write_host, write_device, write_keys,
+                        attend_page) -> Callable[[int], None]:
+        """`bind_decode`'s call where every request swaps in: the lru page table of each layer after its selection."""
+        page_table = bind_page_tables(tables, selected, step.swap_rows, step.swap_newest, step.swap_reserved, page,
+                                      page.numel() >= PARALLEL_MIN_SELECTED)
+        seconds = self.cache.counters.seconds
+
+        def attend(layer: int) -> None:
+            write_host(layer)
+            write_device(layer)
+            write_keys(layer)
+            if select is not None:
+                select(layer)
             start = time.perf_counter()
             page_table(layer)
             seconds[layer] += time.perf_counter() - start

@@ -13,12 +13,13 @@ own top-k; either way it writes the index key of every prompt token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hisparse.attention.functional import attend_rows, write_rows
+from hisparse.attention.functional import attend_rows, compiled_rows, write_rows
 from hisparse.attention.index_selection import IndexSelector
 from hisparse.attention.prefix_reuse import reusable_tokens
 from hisparse.attention.prompt_chunks import PromptChunk, attend_prompt_chunks
@@ -26,6 +27,12 @@ from hisparse.attention.step_selection import StepSelection, index_query_rows, r
 from hisparse.formats.forward_batch import BatchedRequest, ForwardBatch
 from hisparse.formats.kv_layout import RowLayout
 from hisparse.formats.sparse_attention import SparseAttention
+from hisparse.kernels import page_rows_cpu
+from hisparse.kernels.decode_attention_cpu import bind_sparse_decode_attention
+from hisparse.kernels.index_keys_cpu import bind_write_int8_keys
+from hisparse.kernels.index_scores_cpu import bind_int8_top_k
+from hisparse.kernels.kv_rows_cpu import bind_write_kv_rows
+from hisparse.kernels.page_rows_cpu import bind_page_rows
 from hisparse.memory.host_memory import GIB, available_host_memory
 from hisparse.memory.indexer_cache import IndexerKeyCache
 from hisparse.memory.prefix_cache import PrefixCache, PrefixClaim
@@ -177,9 +184,48 @@ class PagedAttention:
             out[at] = self._decode(layer, pool, q[at], index_q, index_w)
         return out
 
-    def bind_decode(self, q, k, v, index_q, index_k, index_w, out):
-        """No calls bound here: `attend` serves every step (`AttentionBackend.bind_decode`)."""
-        return None
+    def bind_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor | None,
+                    index_k: torch.Tensor | None, index_w: torch.Tensor | None,
+                    out: torch.Tensor) -> Callable[[int], None] | None:
+        """`attend` of this decode-only step as C calls bound once (`AttentionBackend.bind_decode`), where the rows
+        and the indexer keys are in the CPU kernels' formats and no request records its top-k; else None."""
+        cache, sparse, keys = self.cache, self.cache.sparse, self.cache.index_cache
+        if not self.decode_only or self.trace_steps or not compiled_rows(cache.layout, cache.kv, q, k, v):
+            return None
+        if keys is not None and (index_k is None or not keys.compiled_write):
+            return None
+        layers = range(cache.layout.num_layers)
+        # The layers whose decode reads the selection (`_decode`): a context longer than top_k, a sparse layer.
+        selecting = [self.reads_index_queries and sparse.sparse_in(layer) for layer in layers]
+        if any(selecting) and (index_q is None or not cache.selector.compiled_scores or not page_rows_cpu.available()
+                               or any(sparse.shares_selection(layer) for layer in layers)):
+            return None
+        layout, rows = cache.layout, self.decode_rows
+        write = bind_write_kv_rows(cache.kv, self.write_rows, k, v)
+        write_keys = None if keys is None else bind_write_int8_keys(keys.rows, self.index_write, index_k)
+        attend_all = bind_sparse_decode_attention(cache.kv, rows, q, cache.scale, layout.num_kv_heads, layout.head_dim,
+                                                  out)
+        if any(selecting):
+            selected = torch.empty(rows.shape[0], min(sparse.top_k, rows.shape[1]), dtype=torch.int64)
+            page = torch.empty_like(selected)
+            self.bound_buffers = (selected, page)  # what the calls read and write by address, alive with the step
+            select = bind_int8_top_k(keys.rows, keys.index_dim, self.decode_index_slots, index_q, index_w,
+                                     self.decode_lengths, selected.shape[1], selected)
+            look_up = bind_page_rows(rows, selected, page)
+            attend_page = bind_sparse_decode_attention(cache.kv, page, q, cache.scale, layout.num_kv_heads,
+                                                       layout.head_dim, out)
+
+        def attend(layer: int) -> None:
+            write(layer)
+            if write_keys is not None:
+                write_keys(layer)
+            if selecting[layer]:
+                select(layer)
+                look_up()
+                attend_page(layer)
+            else:
+                attend_all(layer)
+        return attend
 
     def _decode(self, layer, pool, q, index_q, index_w):
         """The decode queries' attention: over every row of their requests, or over the rows the indexer selects."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hisparse.attention.hisparse import HiSparseAttention
+from hisparse.attention.paged import PagedAttention
 from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
@@ -20,10 +21,15 @@ from hisparse.models.loader import load_llama
 TOP_K = 256
 MODES = {"baseline": {}, "hisparse": {"enable_hisparse": True,
                                       "hisparse_config": {"top_k": TOP_K, "device_buffer_size": 300}},
-         # both contexts past a buffer of 100 from the first step: the backend's bound calls run it
-         "hisparse-swapping": {"enable_hisparse": True, "hisparse_config": {"top_k": 64, "device_buffer_size": 100}}}
+         # both contexts past a buffer of 100 from the first step: every request swaps in
+         "hisparse-swapping": {"enable_hisparse": True, "hisparse_config": {"top_k": 64, "device_buffer_size": 100}},
+         # the shorter prompt on the fast path for 5 steps beside the longer one swapping in
+         "hisparse-mixed": {"enable_hisparse": True, "hisparse_config": {"top_k": 64, "device_buffer_size": 245}}}
 PROMPTS = (240, 250)  # tokens: with 24 decoded, the longer context passes top_k midway
 TOKENS = 24
+# Which reused steps the backend binds once (`bind_decode`) rather than calling `attend` per layer: all but a step
+# with requests both on the fast path and swapping in.
+BOUND = {"hisparse-mixed": [False] * 5 + [True] * (TOKENS - 6)}
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +60,26 @@ def decode_logits(model, tokenizer, mode: str, reuse: bool) -> tuple[list[torch.
 
 
 @pytest.mark.parametrize("mode,quantization", [("baseline", "none"), ("hisparse", "none"), ("baseline", "int4"),
-                                               ("hisparse", "int4"), ("hisparse-swapping", "int4")])
+                                               ("hisparse", "int4"), ("hisparse-swapping", "int4"),
+                                               ("hisparse-mixed", "none")])
 def test_reused_decode_steps_give_the_layers_logits(mode, quantization, llama_bf16, llama_int4, tokenizer,
                                                     monkeypatch):
     model = llama_int4 if quantization == "int4" else llama_bf16
-    bind_decode, bound = HiSparseAttention.bind_decode, []
-    monkeypatch.setattr(HiSparseAttention, "bind_decode",
-                        lambda *args, **kwargs: bound.append(bind_decode(*args, **kwargs)) or bound[-1])
+    bound = []
+
+    def recording(bind):
+        def bind_decode(*args, **kwargs):
+            attend = bind(*args, **kwargs)
+            bound.append(attend is not None)
+            return attend
+        return bind_decode
+
+    for backend in (HiSparseAttention, PagedAttention):
+        monkeypatch.setattr(backend, "bind_decode", recording(backend.bind_decode))
     reused, sizes = decode_logits(model, tokenizer, mode, reuse=True)
     eager, no_sizes = decode_logits(model, tokenizer, mode, reuse=False)
     assert sizes == [2] and no_sizes == []  # the reused path ran, and only there
-    # every reused HiSparse step asked for the backend's bound calls; those of the swapping mode got them
-    took = [b is not None for b in bound]
-    assert took == ([mode == "hisparse-swapping"] * (TOKENS - 1) if mode.startswith("hisparse") else [])
+    assert bound == BOUND.get(mode, [True] * (TOKENS - 1))  # every reused step asked; these got the bound calls
     assert len(reused) == len(eager) == TOKENS  # one step a token for both, the first the prefill
     for step, (ours, theirs) in enumerate(zip(reused, eager, strict=True)):
         assert torch.equal(ours, theirs), f"step {step}: logits differ by {float((ours - theirs).abs().max())}"
