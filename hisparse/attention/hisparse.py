@@ -157,7 +157,6 @@ class HiSparseAttention:
         batch, width = self.index_slots.shape
         selected = torch.empty(batch, min(sparse.top_k, width), dtype=torch.int64)
         page = torch.empty_like(selected)
-        self.bound_buffers = (selected, page)  # what the calls read and write by address, alive with the step
         write_host = bind_write_kv_rows(cache.host_kv, self.host_write, k, v)
         write_device = bind_write_kv_rows(cache.device_kv, step.device_write, k, v)
         write_keys = bind_write_int8_keys(keys.rows, self.index_write, index_k)
@@ -173,9 +172,7 @@ class HiSparseAttention:
             return self._bound_swapping(step, tables, select, selected, page, write_host, write_device, write_keys,
                                         attend_page)
         # The fast path: position p sits in hot slot p of the request's row of the slot table.
-        hot_slots = cache.device_rows[step.rows]
-        self.bound_buffers += (hot_slots,)
-        look_up = bind_page_rows(hot_slots, selected, page)
+        look_up = bind_page_rows(cache.device_rows[step.rows], selected, page)
         fast_path = cache.counters.fast_path
         looked_up = None if select is not None else look_up()  # the same page in every layer
 

@@ -208,7 +208,6 @@ class PagedAttention:
         if any(selecting):
             selected = torch.empty(rows.shape[0], min(sparse.top_k, rows.shape[1]), dtype=torch.int64)
             page = torch.empty_like(selected)
-            self.bound_buffers = (selected, page)  # what the calls read and write by address, alive with the step
             select = bind_int8_top_k(keys.rows, keys.index_dim, self.decode_index_slots, index_q, index_w,
                                      self.decode_lengths, selected.shape[1], selected)
             look_up = bind_page_rows(rows, selected, page)

@@ -81,7 +81,7 @@ def bind_sparse_decode_attention(pools: torch.Tensor, rows: torch.Tensor, q: tor
                                  num_kv_heads: int, head_dim: int, out: torch.Tensor) -> Callable[[int], None]:
     """`sparse_decode_attention` over layer l of pools [L, N, 2 * Hkv * D] into out ([B, Hq, D] of q's dtype,
     contiguous) as a call checked once, `call(l)`, for a caller that attends with the same buffers in every layer
-    (a decode step); rows contiguous, each request's query heads contiguous. The caller keeps the tensors alive."""
+    (a decode step); rows contiguous, each request's query heads contiguous. The call keeps its tensors alive."""
     if not (pools.is_cpu and rows.is_cpu and q.is_cpu):
         raise ValueError("sparse_decode_attention reads CPU memory: pool, rows and q must be CPU tensors")
     if pools.dtype not in _DTYPES or pools.dim() != 3 or not pools.is_contiguous():
@@ -114,4 +114,5 @@ def bind_sparse_decode_attention(pools: torch.Tensor, rows: torch.Tensor, q: tor
                              f"{int(rows.max())}")
         if error:
             raise MemoryError("decode attention could not allocate its scores")
+    attend.tensors = (pools, rows, q, out)
     return attend

@@ -33,7 +33,7 @@ def write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor)
 
 def bind_write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> Callable[[int], None]:
     """`write_int8_keys` into layer l of rows [L, S, head_dim + 4] as a call checked once, `call(l)`, for a caller
-    that writes the same keys (float32, contiguous) of every layer; the caller keeps slots and keys alive."""
+    that writes the same keys (float32, contiguous) of every layer; it keeps the tensors it reads alive."""
     n, head_dim = keys.shape
     if (rows.dtype != torch.uint8 or rows.dim() != 3 or rows.shape[2] != head_dim + 4 or not rows.is_contiguous()
             or not (rows.is_cpu and keys.is_cpu and slots.is_cpu)):
@@ -49,4 +49,5 @@ def bind_write_int8_keys(rows: torch.Tensor, slots: torch.Tensor, keys: torch.Te
     def write(layer: int) -> None:
         if function(layers.address(layer), *arguments):
             raise ValueError(f"slots must be {n} int64 rows in [0, {rows.shape[1]})")
+    write.tensors = (rows, slots, keys)
     return write

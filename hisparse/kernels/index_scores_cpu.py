@@ -75,7 +75,7 @@ def bind_int8_top_k(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: t
                     lengths: torch.Tensor, k: int, out: torch.Tensor) -> Callable[[int], None]:
     """`int8_top_k` over layer l of rows [L, N, head_dim + 4] into out (int64 [B, k], contiguous) as a call checked
     once, `call(l)`, for a caller that selects with the same queries' buffers in every layer (a decode step); the
-    caller keeps the tensors alive."""
+    call keeps the tensors it reads and writes alive."""
     _check("int8_top_k", rows[0], head_dim, slots, q, w, lengths)
     batch, width = slots.shape
     if not 0 <= k <= width:
@@ -91,7 +91,7 @@ def bind_int8_top_k(rows: torch.Tensor, head_dim: int, slots: torch.Tensor, q: t
         error = function(layers.address(layer), *arguments) if k else 0
         if error:
             _raise_on(error, "int8_top_k", rows[0], width)
-    select.scores = scores  # its scratch, read by address
+    select.tensors = (rows, slots, q, w, lengths, scores, out)  # scores: its scratch
     return select
 
 

@@ -39,8 +39,8 @@ def write_kv_rows(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: t
 def bind_write_kv_rows(pools: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> Callable[[int], None]:
     """`write_kv_rows` into layer l of pools [L, S, 2 * H * D] as a call checked once, `call(l)`, for a caller that
-    writes the same rows of every layer (a decode step); slots contiguous. The caller keeps slots, k and v alive
-    while it calls (the call reads them by address)."""
+    writes the same rows of every layer (a decode step); slots contiguous. The call keeps the tensors it reads by
+    address alive."""
     n, heads, dim = k.shape if k.dim() == 3 else (-1, -1, -1)
     if (pools.dim() != 3 or not takes(pools, k, v) or pools.shape[2] != 2 * heads * dim or slots.shape != (n,)
             or slots.dtype != torch.int64 or not slots.is_cpu or not slots.is_contiguous()):
@@ -56,4 +56,5 @@ def bind_write_kv_rows(pools: torch.Tensor, slots: torch.Tensor, k: torch.Tensor
     def write(layer: int) -> None:
         if function(layers.address(layer), *arguments):
             raise ValueError(f"write_kv_rows: a slot is outside the pool's {pools.shape[1]} rows")
+    write.tensors = (pools, slots, k, v)
     return write

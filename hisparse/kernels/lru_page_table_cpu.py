@@ -86,7 +86,7 @@ def bind_page_tables(tables: list[LruPageTable], selected: torch.Tensor, rows: t
                      reserved: torch.Tensor, page: torch.Tensor, parallel: bool) -> Callable[[int], None]:
     """`LruPageTable.__call__` of tables[l] into page (int64 [B, K], contiguous) as a call checked once, `call(l)`,
     for a caller that swaps every layer in with the same buffers (a decode step, whose selection each layer writes
-    in place); the caller keeps them alive."""
+    in place); the call keeps them alive."""
     batch, width = selected.shape
     step = (selected, rows, newest, reserved, page)
     if not all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in step):
@@ -104,4 +104,5 @@ def bind_page_tables(tables: list[LruPageTable], selected: torch.Tensor, rows: t
             raise MemoryError("lru_page_table: no memory for its scratch")
         if code:
             raise_value_error(code, detail.value, tables[layer].table_shape, tables[layer].context)
+    page_table.tensors = step
     return page_table

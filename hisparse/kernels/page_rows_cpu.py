@@ -25,8 +25,8 @@ available = _LIBRARY.available  # whether the kernel is built and loaded (buildi
 def bind_page_rows(table: torch.Tensor, selected: torch.Tensor, page: torch.Tensor) -> Callable[[], int]:
     """page[b, j] <- table[b, selected[b, j]], -1 where selected[b, j] is -1, as a call checked once that returns how
     many positions it looked up, for a caller that selects into the same buffer every layer. table int64 [B, W] (each
-    row contiguous), selected and page int64 [B, K] contiguous, in CPU memory; the caller keeps them alive. A
-    position outside [-1, W) raises ValueError and writes nothing."""
+    row contiguous), selected and page int64 [B, K] contiguous, in CPU memory; the call keeps them alive. A position
+    outside [-1, W) raises ValueError and writes nothing."""
     batch, width = table.shape if table.dim() == 2 else (-1, -1)
     if (batch < 0 or selected.dim() != 2 or selected.shape[0] != batch or page.shape != selected.shape
             or any(t.dtype != torch.int64 or not t.is_cpu for t in (table, selected, page))
@@ -43,4 +43,5 @@ def bind_page_rows(table: torch.Tensor, selected: torch.Tensor, page: torch.Tens
         if count < 0:
             raise ValueError(f"page_rows: a selected position is outside [-1, {width})")
         return count
+    look_up.tensors = (table, selected, page)
     return look_up

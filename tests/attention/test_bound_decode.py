@@ -162,11 +162,13 @@ def test_a_step_that_records_its_top_k_is_left_to_attend():
 
 
 def test_page_rows_looks_selected_positions_up_and_refuses_others():
-    table = torch.arange(24).view(2, 12) * 10
     selected = torch.tensor([[0, 3, 11], [2, -1, -1]])
     page = torch.empty_like(selected)
-    assert bind_page_rows(table, selected, page)() == 4
+    look_up = bind_page_rows(torch.arange(24).view(2, 12) * 10, selected, page)  # a table no one else holds
+    torch.full((2, 12), 99)  # would take the table's memory, were it freed
+    assert look_up() == 4
     assert page.tolist() == [[0, 30, 110], [140, -1, -1]]
+    table = torch.arange(24).view(2, 12) * 10
     for bad in (12, -2):
         selected[1, 1] = bad
         page.fill_(7)
