@@ -1,6 +1,6 @@
 // The indexer's key from its projection: LayerNorm, then half-split RoPE, in one call instead of PyTorch's slice,
-// cast, norm, rotation (two products, a roll, a sum). Built and loaded by indexer_key_cpu.py, which says what
-// differs from PyTorch's arithmetic.
+// cast, norm, rotation (two products, a roll, a sum); and its head weights, scaled twice. Built and loaded by
+// indexer_key_cpu.py, which says what differs from PyTorch's arithmetic.
 
 #include <math.h>
 #include <stdint.h>
@@ -34,4 +34,16 @@ void indexer_key(const void *projected, int64_t stride, int64_t start, int bf16,
             o[i] = normed[i] * c[i] + normed[partner] * s[i];
         }
     }
+}
+
+// out [rows, heads] float32 = (w * first) * second, each product rounded to float32 as PyTorch's two products of a
+// float32 tensor and a scalar are; w the heads values at column `start` of each row of projected (as above).
+void indexer_weights(const void *projected, int64_t stride, int64_t start, int bf16, float first, float second,
+                     float *out, int64_t rows, int64_t heads) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t at = r * stride + start + h;
+            float w = bf16 ? bf16_to_float(((const uint16_t *)projected)[at]) : ((const float *)projected)[at];
+            out[r * heads + h] = (w * first) * second;
+        }
 }

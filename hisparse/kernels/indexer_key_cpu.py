@@ -26,7 +26,8 @@ MAX_DIM = 4096  # the C loop keeps a key's values on the stack
 _LIBRARY = CLibrary(
     Path(__file__).with_suffix(".c"),
     {"indexer_key": (None, [POINTER, INT64, INT64, INT, POINTER, POINTER, FLOAT, POINTER, POINTER, INT64, POINTER,
-                            INT64, INT64])},
+                            INT64, INT64]),
+     "indexer_weights": (None, [POINTER, INT64, INT64, INT, FLOAT, FLOAT, POINTER, INT64, INT64])},
     "the indexer keeps PyTorch's ops")
 available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 
@@ -61,3 +62,20 @@ def bind_indexer_key(projected: torch.Tensor, start: int, weight: torch.Tensor, 
     return partial(_LIBRARY.load().indexer_key, projected.data_ptr(), width, start, projected.dtype == torch.bfloat16,
                    weight.data_ptr(), bias.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr(), n,
                    dim)
+
+
+def bind_indexer_weights(projected: torch.Tensor, start: int, scales: tuple[float, float],
+                         out: torch.Tensor) -> Callable[[], None]:
+    """out [N, H] float32 <- (projected[:, start:start + H] * scales[0]) * scales[1], each product rounded to float32
+    as `LightningIndexer.finish_weights` rounds them, as a call checked once for a caller that runs it on the same
+    buffers every step; projected [N, W] bfloat16 or float32, both contiguous in CPU memory."""
+    n, width = projected.shape if projected.dim() == 2 else (-1, -1)
+    heads = out.shape[1] if out.dim() == 2 else -1
+    if (width < 0 or projected.dtype not in _ROW_DTYPES or out.shape != (n, heads) or out.dtype != torch.float32
+            or start < 0 or start + heads > width
+            or not all(t.is_cpu and t.is_contiguous() for t in (projected, out))):
+        raise ValueError(f"indexer_weights takes rows [N, >= start + H] (bfloat16 or float32) and writes float32 "
+                         f"[N, H], both contiguous in CPU memory; got {tuple(projected.shape)} {projected.dtype}, out "
+                         f"{tuple(out.shape)} {out.dtype}, start {start}")
+    return partial(_LIBRARY.load().indexer_weights, projected.data_ptr(), width, start,
+                   projected.dtype == torch.bfloat16, scales[0], scales[1], out.data_ptr(), n, heads)

@@ -27,12 +27,28 @@ static inline void rotate_float(const float *in, const float *c, const float *s,
     for (int64_t i = lo; i < hi; i++) o[i] = in[i] * c[i] + in[i + shift] * s[i];
 }
 
+// rotate_float of bfloat16 heads, each widened as it is read (exactly: a bfloat16 is a float32's top half)
+static inline void rotate_widened(const uint16_t *in, const float *c, const float *s, float *o, int64_t lo,
+                                  int64_t hi, int64_t shift) {
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) o[i] = bf16_to_float(in[i]) * c[i] + bf16_to_float(in[i + shift]) * s[i];
+}
+
+enum { FLOAT32 = 0, BFLOAT16 = 1, WIDENED = 2 };  // heads, tables and out of one dtype; or bfloat16 heads, float32 rest
+
 // One head: the swap pairs dim i with i + half in the first half, i - half in the second, itself past them (three
 // loops without a branch; inlined with the common dims as constants, they unroll into whole vectors).
 static inline __attribute__((always_inline)) void rotate_head(const void *x, const void *cos, const void *sin,
                                                               void *out, int64_t in_at, int64_t out_at, int64_t r,
-                                                              int64_t dim, int64_t half, int bf16) {
-    if (bf16) {
+                                                              int64_t dim, int64_t half, int kind) {
+    if (kind == WIDENED) {
+        const uint16_t *in = (const uint16_t *)x + in_at;
+        const float *c = (const float *)cos + r * dim, *s = (const float *)sin + r * dim;
+        float *o = (float *)out + out_at;
+        rotate_widened(in, c, s, o, 0, half, half);
+        rotate_widened(in, c, s, o, half, 2 * half, -half);
+        rotate_widened(in, c, s, o, 2 * half, dim, 0);
+    } else if (kind == BFLOAT16) {
         const uint16_t *in = (const uint16_t *)x + in_at;
         const uint16_t *c = (const uint16_t *)cos + r * dim, *s = (const uint16_t *)sin + r * dim;
         uint16_t *o = (uint16_t *)out + out_at;
@@ -50,14 +66,18 @@ static inline __attribute__((always_inline)) void rotate_head(const void *x, con
 }
 
 // out [rows, heads, dim] = x * cos + swap(x) * sin, x's rows `stride` values apart (each row's heads contiguous),
-// cos and sin [rows, dim] (1 and 0 past the 2 * half rotated dims; sin signed for the first half).
+// cos and sin [rows, dim] (1 and 0 past the 2 * half rotated dims; sin signed for the first half); `kind` says the
+// dtypes (the enum above).
 void rotate_half_split(const void *x, int64_t stride, int64_t rows, int64_t heads, int64_t dim, const void *cos,
-                       const void *sin, int64_t half, void *out, int bf16) {
+                       const void *sin, int64_t half, void *out, int kind) {
     #pragma omp parallel for if (rows >= 64) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < heads; h++) {
             int64_t in_at = r * stride + h * dim, out_at = (r * heads + h) * dim;
-            if (dim == 64 && half == 32 && bf16) rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, 1);
-            else rotate_head(x, cos, sin, out, in_at, out_at, r, dim, half, bf16);
+            if (dim == 64 && half == 32 && kind == BFLOAT16)
+                rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, BFLOAT16);
+            else if (dim == 64 && half == 32 && kind == WIDENED)
+                rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, WIDENED);
+            else rotate_head(x, cos, sin, out, in_at, out_at, r, dim, half, kind);
         }
 }

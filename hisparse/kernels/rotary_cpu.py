@@ -22,6 +22,7 @@ _LIBRARY = CLibrary(
     "RoPE keeps PyTorch's ops")
 available = _LIBRARY.available  # whether the kernel is built and loaded (building it on first use)
 _DTYPES = (torch.bfloat16, torch.float32)
+_FLOAT32, _BFLOAT16, _WIDENED = 0, 1, 2  # the C file's kinds
 
 
 def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -67,13 +68,18 @@ class RotationTables:
 
     def bind_rotate(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """`rotate` into out [N, H, D] (contiguous, the tables' dtype) as a call checked once, for a caller that
-        rotates the same buffers every step (the tables' contents may change between calls, not their tensors)."""
+        rotates the same buffers every step (the tables' contents may change between calls, not their tensors). x
+        may also be bfloat16 heads over float32 tables: widened as they are read, as `x.float()` would (the indexer's
+        queries, straight from a projection's rows)."""
         n, heads, dim = x.shape
-        if n != self.tokens or dim != self.dim or not takes(x, self.cos):
+        widened = (x.dtype == torch.bfloat16 and self.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1
+                   and x.stride(1) == dim)
+        if n != self.tokens or dim != self.dim or not (takes(x, self.cos) or widened):
             raise ValueError(f"heads {tuple(x.shape)} {x.dtype} do not fit rotation tables of {self.tokens} tokens x "
                              f"{self.dim} {self.dtype} (each token's heads contiguous, in CPU memory)")
         if out.shape != x.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"out must be contiguous {tuple(x.shape)} {self.dtype}, got {tuple(out.shape)} "
                              f"{out.dtype}")
+        kind = _WIDENED if widened else _BFLOAT16 if self.dtype == torch.bfloat16 else _FLOAT32
         return partial(_LIBRARY.load().rotate_half_split, x.data_ptr(), x.stride(0), n, heads, dim, *self._pointers,
-                       self.half, out.data_ptr(), self.dtype == torch.bfloat16)
+                       self.half, out.data_ptr(), kind)

@@ -53,8 +53,11 @@ class LightningIndexer(nn.Module):
 
     def finish_weights(self, projected: torch.Tensor) -> torch.Tensor:
         """`head_weights` from the projection weights_proj(x), for a model that computes it in a matmul of its own."""
-        return self.finish_weights_into(projected, torch.empty(projected.shape, device=projected.device))
+        weight_scale, score_scale = self.weight_scales
+        return projected.float() * weight_scale * score_scale
 
-    def finish_weights_into(self, projected: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`finish_weights` into out (float32, projected's shape), for a caller that keeps a buffer for it."""
-        return out.copy_(projected).mul_(self.n_heads**-0.5).mul_(self.head_dim**-0.5)
+    @property
+    def weight_scales(self) -> tuple[float, float]:
+        """The factors `finish_weights` multiplies by, in order (what a compiled caller multiplies by: the decode
+        step's `kernels.indexer_key_cpu.bind_indexer_weights`)."""
+        return self.n_heads**-0.5, self.head_dim**-0.5

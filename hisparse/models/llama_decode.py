@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from hisparse.kernels import indexer_key_cpu, rms_norm_cpu, rotary_cpu, swiglu_cpu
-from hisparse.kernels.indexer_key_cpu import bind_indexer_key
+from hisparse.kernels.indexer_key_cpu import bind_indexer_key, bind_indexer_weights
 from hisparse.kernels.rms_norm_cpu import bind_rms_norm
 from hisparse.kernels.rotary_cpu import RotationTables
 from hisparse.kernels.swiglu_cpu import bind_swiglu
@@ -91,7 +91,6 @@ class LlamaDecodeStep:
             self.index_key = torch.empty(batch, indexer.head_dim)
             self.index_queries = torch.empty(batch, indexer.n_heads, indexer.head_dim)
             self.index_weights = torch.empty(batch, indexer.n_heads)
-            self.index_unrotated = torch.empty(batch, indexer.n_heads, indexer.head_dim)
         rotated = self.qkv[:, :q_size + kv_size].view(batch, heads + kv_heads, head_dim)
         self.layer_buffers: list[torch.Tensor] = []  # a layer's own buffers, alive as long as the step
         self.layers = [self._bind_layer(layer, i, rotated) for i, layer in enumerate(model.layers)]
@@ -137,9 +136,9 @@ class LlamaDecodeStep:
         project = attn.index_proj.bind(self.h, projected)
         key = bind_indexer_key(projected, heads * dim, norm.weight, norm.bias, norm.eps, rope.cos, rope.sin, rope.half,
                                self.index_key)
-        rotate = rope.bind_rotate(self.index_unrotated, self.index_queries)
-        queries = projected[:, :heads * dim].view(self.batch, heads, dim)
-        weights = projected[:, heads * dim + dim:]
+        # the queries widened to float32 as the rotation reads them, from the projection's rows
+        rotate = rope.bind_rotate(projected[:, :heads * dim].view(self.batch, heads, dim), self.index_queries)
+        weights = bind_indexer_weights(projected, heads * dim + dim, indexer.weight_scales, self.index_weights)
 
         def index_key() -> None:
             project_key()
@@ -148,9 +147,8 @@ class LlamaDecodeStep:
         def index_all() -> None:
             project()
             key()
-            self.index_unrotated.copy_(queries)
             rotate()
-            indexer.finish_weights_into(weights, self.index_weights)
+            weights()
         return {"index_key": index_key, "index_all": index_all}
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend) -> torch.Tensor:

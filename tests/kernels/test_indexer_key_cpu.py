@@ -43,6 +43,18 @@ def test_the_kernel_gives_pytorchs_key(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_weights_kernel_gives_finish_weights_bits(dtype):
+    indexer, _ = indexer_and_rotation(1)
+    projected = (torch.randn(70, 2 * 64 + 64 + 2) * 30).to(dtype)
+    out = torch.empty(70, 2)
+    indexer_key_cpu.bind_indexer_weights(projected, 192, indexer.weight_scales, out)()
+    assert torch.equal(out, indexer.finish_weights(projected[:, 192:]))
+    with pytest.raises(ValueError, match="indexer_weights takes"):
+        indexer_key_cpu.bind_indexer_weights(projected, 193, indexer.weight_scales, out)  # past the row
+
+
+@needs_kernel
 def test_every_path_of_inference_derives_the_same_key(monkeypatch):
     """The queries' path and the key-only path give the same bytes (a step's key never depends on which ran)."""
     indexer, rotation = indexer_and_rotation(5)

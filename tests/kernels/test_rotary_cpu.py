@@ -33,6 +33,19 @@ def test_the_kernel_gives_pytorchs_bits(dtype, head_dim):
 
 
 @needs_kernel
+def test_bfloat16_heads_over_float32_tables_are_widened_as_they_are_read():
+    """The indexer's queries rotate in float32 straight from a bfloat16 projection: the bits of `x.float()`'s."""
+    torch.manual_seed(0)
+    cos, sin = RotaryEmbedding(64, 1024, 10000.0).cos_sin(torch.arange(300, 303))
+    rotation = HalfSplitRotation.of(cos, sin, torch.float32, 64)
+    row = (torch.randn(3, 4 * 64 + 7) * 4).bfloat16()
+    heads = row[:, :4 * 64].view(3, 4, 64)
+    out = torch.empty(3, 4, 64)
+    rotary_cpu.RotationTables(rotation.cos, rotation.sin, rotation.half).bind_rotate(heads, out)()
+    assert torch.equal(out, pytorch_rotation(rotation, heads.float()))
+
+
+@needs_kernel
 def test_the_rotation_keeps_pytorchs_ops_for_gradients_and_odd_strides():
     cos, sin = RotaryEmbedding(64, 64, 10000.0).cos_sin(torch.arange(3))
     rotation = HalfSplitRotation.of(cos, sin, torch.float32)
