@@ -122,9 +122,15 @@ class DecodeStep:
 
     def __post_init__(self) -> None:
         on_device = {"dtype": torch.int64, "device": self.rows.device}
+        self.has_fast, self.has_swapping = not all(self.swapping), any(self.swapping)
+        if not self.has_fast:  # the usual case once contexts outgrow their buffers: the whole batch, no gathers
+            self.swap_index = torch.arange(len(self.swapping), **on_device)
+            self.fast_index, self.fast_rows = self.swap_index[:0], self.swap_index[:0].view(0, 1)
+            self.swap_rows, self.swap_reserved = self.rows, self.device_write
+            self.swap_newest = self.lengths - 1
+            return
         self.fast_index = torch.tensor([b for b, s in enumerate(self.swapping) if not s], **on_device)
         self.swap_index = torch.tensor([b for b, s in enumerate(self.swapping) if s], **on_device)
-        self.has_fast, self.has_swapping = not all(self.swapping), any(self.swapping)
         self.fast_rows = self.rows[self.fast_index].unsqueeze(1)
         self.swap_rows = self.rows[self.swap_index]
         self.swap_newest = self.lengths[self.swap_index] - 1
