@@ -168,13 +168,22 @@ class HiSparseAttention:
         else:  # every position, unscored (`StepSelection.decode`)
             selected.copy_(self.selection.decode(0, None, None, self.index_slots, self.lengths)[0])
             select = None
-        if step.has_swapping:
-            return self._bound_swapping(step, tables, select, selected, page, write_host, write_device, write_keys,
-                                        attend_page)
-        # The fast path: position p sits in hot slot p of the request's row of the slot table.
-        look_up = bind_page_rows(cache.device_rows[step.rows], selected, page)
-        fast_path = cache.counters.fast_path
-        looked_up = None if select is not None else look_up()  # the same page in every layer
+        if step.has_swapping:  # each layer's lru page table after its selection, the missed rows copied in
+            page_table = bind_page_tables(tables, selected, step.swap_rows, step.swap_newest, step.swap_reserved, page,
+                                          page.numel() >= PARALLEL_MIN_SELECTED)
+            seconds = cache.counters.seconds
+
+            def fill_page(layer: int) -> None:
+                start = time.perf_counter()
+                page_table(layer)
+                seconds[layer] += time.perf_counter() - start
+        else:  # the fast path: position p sits in hot slot p of the request's row of the slot table
+            look_up = bind_page_rows(cache.device_rows[step.rows], selected, page)
+            fast_path = cache.counters.fast_path
+            looked_up = None if select is not None else look_up()  # the same page in every layer
+
+            def fill_page(layer: int) -> None:
+                fast_path.add_(look_up() if looked_up is None else looked_up)
 
         def attend(layer: int) -> None:
             write_host(layer)
@@ -182,25 +191,6 @@ class HiSparseAttention:
             write_keys(layer)
             if select is not None:
                 select(layer)
-            fast_path.add_(look_up() if looked_up is None else looked_up)
-            attend_page(layer)
-        return attend
-
-    def _bound_swapping(self, step, tables, select, selected, page, write_host, write_device, write_keys,
-                        attend_page) -> Callable[[int], None]:
-        """`bind_decode`'s call where every request swaps in: the lru page table of each layer after its selection."""
-        page_table = bind_page_tables(tables, selected, step.swap_rows, step.swap_newest, step.swap_reserved, page,
-                                      page.numel() >= PARALLEL_MIN_SELECTED)
-        seconds = self.cache.counters.seconds
-
-        def attend(layer: int) -> None:
-            write_host(layer)
-            write_device(layer)
-            write_keys(layer)
-            if select is not None:
-                select(layer)
-            start = time.perf_counter()
-            page_table(layer)
-            seconds[layer] += time.perf_counter() - start
+            fill_page(layer)
             attend_page(layer)
         return attend
