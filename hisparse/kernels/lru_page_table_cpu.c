@@ -139,25 +139,37 @@ int lru_page_table(const Tables *t, const int64_t *top_k, int64_t batch, int64_t
     if (!moves) return -1;
     int64_t *src = moves, *dst = moves + batch * width, *counts = moves + 2 * batch * width;
     int no_memory = 0;  // a thread without scratch: found before any table changes
-    #pragma omp parallel if (parallel) shared(no_memory)
-    {
+    if (!parallel) {  // outside any parallel region: entering one, even for a team of one, cost 2 us a call here
         size_t bytes = sizeof(int32_t) * (size_t)(t->context + 3 * S + width);
         int32_t *lookup = thread_buffer(&scratch, &scratch_bytes, bytes);
-        if (!lookup) {
-            #pragma omp atomic write
-            no_memory = 1;
-        }
-        #pragma omp barrier
-        int failed;
-        #pragma omp atomic read
-        failed = no_memory;
-        if (!failed) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < batch; b++)
-                plan_row(t, top_k, width, b, rows[b], newest[b], reserved[b], page_table + b * width,
-                         src + b * width, dst + b * width, counts + 3 * b, lookup, lookup + t->context);
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < batch; b++) copy_rows(t, src + b * width, dst + b * width, 0, counts[3 * b + 1]);
+        no_memory = !lookup;
+        for (int64_t b = 0; b < batch && !no_memory; b++)
+            plan_row(t, top_k, width, b, rows[b], newest[b], reserved[b], page_table + b * width, src + b * width,
+                     dst + b * width, counts + 3 * b, lookup, lookup + t->context);
+        for (int64_t b = 0; b < batch && !no_memory; b++)
+            copy_rows(t, src + b * width, dst + b * width, 0, counts[3 * b + 1]);
+    } else {
+        #pragma omp parallel shared(no_memory)
+        {
+            size_t bytes = sizeof(int32_t) * (size_t)(t->context + 3 * S + width);
+            int32_t *lookup = thread_buffer(&scratch, &scratch_bytes, bytes);
+            if (!lookup) {
+                #pragma omp atomic write
+                no_memory = 1;
+            }
+            #pragma omp barrier
+            int failed;
+            #pragma omp atomic read
+            failed = no_memory;
+            if (!failed) {
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t b = 0; b < batch; b++)
+                    plan_row(t, top_k, width, b, rows[b], newest[b], reserved[b], page_table + b * width,
+                             src + b * width, dst + b * width, counts + 3 * b, lookup, lookup + t->context);
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t b = 0; b < batch; b++)
+                    copy_rows(t, src + b * width, dst + b * width, 0, counts[3 * b + 1]);
+            }
         }
     }
     if (!no_memory)

@@ -65,19 +65,28 @@ static inline __attribute__((always_inline)) void rotate_head(const void *x, con
     }
 }
 
+// Row r's heads of `rotate_half_split`.
+static inline void rotate_row(const void *x, int64_t stride, int64_t r, int64_t heads, int64_t dim, const void *cos,
+                              const void *sin, int64_t half, void *out, int kind) {
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t in_at = r * stride + h * dim, out_at = (r * heads + h) * dim;
+        if (dim == 64 && half == 32 && kind == BFLOAT16)
+            rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, BFLOAT16);
+        else if (dim == 64 && half == 32 && kind == WIDENED)
+            rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, WIDENED);
+        else rotate_head(x, cos, sin, out, in_at, out_at, r, dim, half, kind);
+    }
+}
+
 // out [rows, heads, dim] = x * cos + swap(x) * sin, x's rows `stride` values apart (each row's heads contiguous),
 // cos and sin [rows, dim] (1 and 0 past the 2 * half rotated dims; sin signed for the first half); `kind` says the
 // dtypes (the enum above).
 void rotate_half_split(const void *x, int64_t stride, int64_t rows, int64_t heads, int64_t dim, const void *cos,
                        const void *sin, int64_t half, void *out, int kind) {
-    #pragma omp parallel for if (rows >= 64) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t in_at = r * stride + h * dim, out_at = (r * heads + h) * dim;
-            if (dim == 64 && half == 32 && kind == BFLOAT16)
-                rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, BFLOAT16);
-            else if (dim == 64 && half == 32 && kind == WIDENED)
-                rotate_head(x, cos, sin, out, in_at, out_at, r, 64, 32, WIDENED);
-            else rotate_head(x, cos, sin, out, in_at, out_at, r, dim, half, kind);
-        }
+    if (rows < 64) {  // outside any parallel region: entering one, even for a team of one, costs about as much as a row
+        for (int64_t r = 0; r < rows; r++) rotate_row(x, stride, r, heads, dim, cos, sin, half, out, kind);
+        return;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) rotate_row(x, stride, r, heads, dim, cos, sin, half, out, kind);
 }
