@@ -91,18 +91,25 @@ def write_rows(pool: torch.Tensor, slots: torch.Tensor, layout: RowLayout, k: to
                v: torch.Tensor | None) -> None:
     """pool[slots] <- the rows of the new tokens' k, v [N, Hkv, D]: one compiled copy where K/V rows lie on the CPU
     in the pool's dtype (`kernels.kv_rows_cpu`), else packed and copied by PyTorch."""
-    if isinstance(layout, KVLayout) and v is not None and kv_rows_cpu.takes(pool, k, v) and kv_rows_cpu.available():
+    if _writes_compiled(layout, pool, k, v):
         kv_rows_cpu.write_kv_rows(pool, slots, k, v)
     else:
         pool.index_copy_(0, slots, layout.pack(k, v).to(pool.device))
+
+
+def _writes_compiled(layout: RowLayout, pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
+    return isinstance(layout, KVLayout) and v is not None and kv_rows_cpu.takes(pool, k, v) and kv_rows_cpu.available()
+
+
+def _attends_compiled(layout: RowLayout, pool: torch.Tensor, q: torch.Tensor) -> bool:
+    return isinstance(layout, KVLayout) and decode_attention_cpu.takes(pool, q) and decode_attention_cpu.available()
 
 
 def compiled_rows(layout: RowLayout, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor | None) -> bool:
     """Whether `write_rows` and `attend_rows` run their C kernels on these (a pool of one layer, or of all): what a
     decode step binds once (`kernels.kv_rows_cpu.bind_write_kv_rows`, `decode_attention_cpu.bind_*`)."""
-    return (isinstance(layout, KVLayout) and v is not None and kv_rows_cpu.takes(pool, k, v)
-            and decode_attention_cpu.takes(pool, q) and kv_rows_cpu.available() and decode_attention_cpu.available())
+    return _writes_compiled(layout, pool, k, v) and _attends_compiled(layout, pool, q)
 
 
 def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: float,
@@ -110,7 +117,7 @@ def attend_rows(pool: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, scale: 
     """Decode attention of q [B, Hq, Dk], one query per request, over the pool rows rows [B, L] (-1: none).
     On the CPU, K/V rows of float32 or bfloat16 are read where they lie (`kernels.decode_attention_cpu`);
     other layouts and devices gather and unpack the rows for SDPA."""
-    if isinstance(layout, KVLayout) and decode_attention_cpu.takes(pool, q) and decode_attention_cpu.available():
+    if _attends_compiled(layout, pool, q):
         return decode_attention_cpu.sparse_decode_attention(pool, rows, q, scale, layout.num_kv_heads,
                                                             layout.head_dim)
     k, v = layout.unpack(gather_rows(pool, rows.clamp(min=0)))

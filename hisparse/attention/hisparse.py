@@ -143,13 +143,14 @@ class HiSparseAttention:
         """
         cache, step = self.cache, self.step if self.decode_only else None
         sparse, keys = cache.sparse, cache.index_cache
-        tables = [getattr(swap_in, "lru_page_table", None) for swap_in in cache.swap_in]
         if (step is None or step.has_fast == step.has_swapping or index_k is None or not keys.compiled_write
                 or not compiled_rows(cache.layout, cache.device_kv, q, k, v)
                 or any(sparse.shares_selection(layer) for layer in range(cache.num_layers))):
             return None
-        if step.has_swapping and (cache.num_next_ranks or not all(tables)):
-            return None
+        if step.has_swapping:
+            tables = [getattr(swap_in, "lru_page_table", None) for swap_in in cache.swap_in]
+            if cache.num_next_ranks or not all(tables):
+                return None
         if self.reads_index_queries and (index_q is None or not cache.selector.compiled_scores):
             return None
         if step.has_fast and not page_rows_cpu.available():

@@ -28,8 +28,12 @@ _FLOAT32, _BFLOAT16, _WIDENED = 0, 1, 2  # the C file's kinds
 def takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether `rotate_half_split` reads heads x [N, H, D] as they lie: on the CPU, in cos's dtype (bfloat16 or
     float32), each token's heads contiguous (a slice of a wider row is fine)."""
-    return (x.is_cpu and x.dtype == cos.dtype and x.dtype in _DTYPES and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2])
+    return x.dtype == cos.dtype and x.dtype in _DTYPES and _heads_contiguous(x)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """x [N, H, D] on the CPU with each token's heads contiguous (a slice of a wider row is fine)."""
+    return x.is_cpu and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
@@ -72,8 +76,7 @@ class RotationTables:
         may also be bfloat16 heads over float32 tables: widened as they are read, as `x.float()` would (the indexer's
         queries, straight from a projection's rows)."""
         n, heads, dim = x.shape
-        widened = (x.dtype == torch.bfloat16 and self.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1
-                   and x.stride(1) == dim)
+        widened = x.dtype == torch.bfloat16 and self.dtype == torch.float32 and _heads_contiguous(x)
         if n != self.tokens or dim != self.dim or not (takes(x, self.cos) or widened):
             raise ValueError(f"heads {tuple(x.shape)} {x.dtype} do not fit rotation tables of {self.tokens} tokens x "
                              f"{self.dim} {self.dtype} (each token's heads contiguous, in CPU memory)")

@@ -1,7 +1,7 @@
 """A Llama decode-only step whose tensors are allocated once per batch size and whose kernels are checked once.
 
-At batch 1 the default model's decode step spent more time in Python than in its kernels (int4: 4.5 ms of C in a 9.2
-ms step): each of a layer's dozen kernel calls sat behind a module call, a wrapper's checks and an allocation.
+At batch 1 the default model's decode step spent more time in Python than in its kernels (int4: 4.5 ms of C in a
+9.2 ms step): each of a layer's dozen kernel calls sat behind a module call, a wrapper's checks and an allocation.
 gpt-fast and vLLM capture their decode step once (CUDA graphs, torch.compile's static buffers) and replay it; here
 the step's activations live in buffers made once per batch size, every kernel is bound to them once (the kernels'
 `bind_*`), and a layer is those prebound calls plus the attention backend's, which the backend binds once per step
