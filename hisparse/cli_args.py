@@ -104,6 +104,17 @@ def one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def device_flag(text: str) -> str:
+    """argparse type: cpu, cuda or cuda:N, as torch names them (whether this machine has that device is the
+    command's own check)."""
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cuda, cuda:N or cpu)")
+    return text
+
+
 def json_object(text: str) -> dict:
     """argparse type: a JSON object ('{"top_k": 256}')."""
     try:

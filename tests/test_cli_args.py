@@ -10,6 +10,7 @@ import pytest
 from hisparse.cli_args import (
     OneLineParser,
     comma_list,
+    device_flag,
     existing_file,
     float_in,
     int_in,
@@ -32,6 +33,7 @@ from hisparse.cli_args import (
     (existing_file, "/nonexistent/file", "not a file"), (existing_file, "/tmp", "a directory"),
     (output_dir, "/proc/x", "cannot write into folder"), (output_file, "/tmp", "a folder"),
     (output_file, "/proc/x/y.json", "cannot write into folder"), (output_file, "/proc/x", "cannot write"),
+    (device_flag, "gpu", "not a device"), (device_flag, "cuda:x", "not a device"), (device_flag, "cuda:", "device"),
 ])
 def test_a_bad_value_is_refused_naming_it(parse, text, word):
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(word)):
@@ -43,6 +45,7 @@ def test_good_values_parse():
     assert comma_list(float_in(0, 3))("1, 1.5") == [1.0, 1.5]
     assert float_in(0, 1, low_open=True)("1") == 1.0 and int_in(0)("0") == 0
     assert json_object('{"top_k": 8}') == {"top_k": 8}
+    assert [device_flag(d) for d in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda:1"]
 
 
 def test_a_parse_error_is_one_line_and_exit_2(capsys):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from hisparse.bench import swap_in_cuda
-from hisparse.cli_args import OneLineParser, int_in, output_file, run_main
+from hisparse.cli_args import OneLineParser, device_flag, int_in, output_file, run_main
 from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
 from hisparse.engine.llm_engine import LLMEngine
@@ -129,7 +129,7 @@ def parallel_splits(tp: int, config) -> list[tuple[str, dict]]:
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", type=swap_in_cuda.device_flag, default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--device", type=device_flag, default="cuda", help="cuda, cuda:N or cpu")
     ap.add_argument("--prompts", type=int_in(1, 64), default=4)
     ap.add_argument("--new-tokens", type=int_in(1, 1024), default=32)
     ap.add_argument("--skip-swap-in", action="store_true", help="the engine checks only")

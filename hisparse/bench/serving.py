@@ -4,7 +4,8 @@ with streaming OpenAI completions at a sweep of concurrencies.
     python -m hisparse.bench_serving [--workload hisparse] [--concurrency 1,4,16] [--prompt-tokens 1536]
                                      [--output-tokens 192] [--rounds 1] [--min-requests 3] [--poll-interval 0.5]
                                      [--baseline-admits 4] [--device-kv-budget SIZE]
-                                     [--hisparse-config JSON] [--ceiling] [--out-dir bench_results/serving]
+                                     [--hisparse-config JSON] [--ceiling] [--device cpu]
+                                     [--out-dir bench_results/serving]
 
 The device budget is what the comparison is about: by default it holds exactly `--baseline-admits` of the
 requests (prompt + output tokens) with every token's K/V and indexer key on the device, which is what the
@@ -18,6 +19,10 @@ keys (68 B per layer each, against 768 B of bfloat16 K/V), and 512 slots per req
 `--ceiling` adds a third server, the baseline with a budget that holds every request of the highest level at
 once: what device memory alone would buy. Its throughput over the baseline's is the most any offloading
 scheme could reach on this machine and workload, and HiSparse's over its says how much of that HiSparse gets.
+
+`--device cuda` runs both servers on a GPU (their pools, weights and steps; the host pool stays in host memory),
+the regime the reference measures: there a prompt's prefill is a small part of a request, where on our CPU
+both modes' prefill of the same prompts bounds the ratio (`serving_report.prefill_bounds`).
 
 The servers start at once (loading overlaps; an idle server costs the other nothing). Each level sends
 `rounds x concurrency` requests (at least `--min-requests`, so that concurrency 1 does not rest on a single
@@ -46,6 +51,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
@@ -53,6 +59,7 @@ from hisparse.bench.serving_server import ServerProcess, wait_ready
 from hisparse.cli_args import (
     OneLineParser,
     comma_list,
+    device_flag,
     int_in,
     json_object,
     output_dir,
@@ -102,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ceiling", action="store_true",
                     help="also run the baseline with a budget that holds every request of the highest level: the "
                          "most memory alone buys (a third server, half again the time)")
+    ap.add_argument("--device", type=device_flag, default="cpu",
+                    help="where both servers run: cpu, cuda or cuda:N (default cpu)")
     ap.add_argument("--out-dir", type=output_dir, default="bench_results/serving",
                     help="created now, so that an unwritable folder is found before the servers start")
     return ap
@@ -110,16 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
 # -- sizing -------------------------------------------------------------------------------------------
 
 
-def default_model_shape(files: ModelFiles) -> tuple[KVLayout, int, int]:
-    """(K/V layout as the servers store it, indexer key format, context length) of the default model, read
-    from its config and the shipped indexer's metadata without loading any weights."""
+def default_model_shape(files: ModelFiles, device: str = "cpu") -> tuple[KVLayout, int, int]:
+    """(K/V layout as the servers on `device` store it, indexer key format, context length) of the default model,
+    read from its config and the shipped indexer's metadata without loading any weights."""
     indexer = files.default_indexer_config()
     if indexer is None:
         raise FileNotFoundError("the default model's indexer weights are missing; run `python -m "
                                 "hisparse.train_indexer`")
     index_key = indexer.key_layout
-    # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on this machine.
-    layout = KVLayout.of(files.config, resolve_model_dtype())
+    # The servers store K/V in the model's dtype (--kv-cache-dtype auto), as they pick it on the device.
+    layout = KVLayout.of(files.config, resolve_model_dtype(device=device))
     return layout, index_key, files.config.max_position_embeddings
 
 
@@ -214,6 +223,11 @@ def level_in_turns(servers: dict[str, ServerProcess], model: str, prompts: list[
 # -- the run ------------------------------------------------------------------------------------------
 
 
+def cuda_device_exists(device: str) -> bool:
+    index = int(device.partition(":")[2] or 0)
+    return torch.cuda.is_available() and index < torch.cuda.device_count()
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -233,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     if max(per_level.values()) > MAX_LEVEL_REQUESTS:
         parser.error(f"--rounds {args.rounds} x --concurrency {levels[-1]} = {args.rounds * levels[-1]} requests at "
                      f"a level, more than {MAX_LEVEL_REQUESTS}")
+    if args.device != "cpu" and not cuda_device_exists(args.device):
+        return _fail(f"--device {args.device}: no such CUDA device on this machine")
     try:
         files = open_model(None)  # seconds: its tokenizer comes from it later
-        layout, index_key, max_context = default_model_shape(files)
+        layout, index_key, max_context = default_model_shape(files, args.device)
     except (FileNotFoundError, ValueError) as error:
         return _fail(str(error))
     request_tokens = args.prompt_tokens + args.output_tokens
@@ -247,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The HiSparse server's own checks of its pools, made before either server starts: a server refusing
         # them exits after some 25 s of loading.
-        PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget).check("cpu", max_context)
+        PoolSizing(layout.num_layers, layout.row_bytes, index_key.row_bytes, config, budget).check(args.device,
+                                                                                                  max_context)
     except ValueError as error:
         return _fail(str(error))
     max_running = max(levels)
     common = ["--max-running-requests", str(max_running), "--max-queued-requests", str(max(256, *per_level.values())),
-              "--top-k", str(config.top_k)]
+              "--top-k", str(config.top_k), "--device", args.device]
     flags = {"baseline": ["--device-kv-budget", str(budget), *common],
              "hisparse": ["--device-kv-budget", str(budget), *common, "--enable-hisparse", "--hisparse-config",
                           json.dumps(dataclasses.asdict(config))]}
@@ -266,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"workload: {args.rounds} x concurrency requests (at least {args.min_requests}) per level at concurrency "
           f"{', '.join(map(str, levels))}; "
-          f"{args.prompt_tokens} prompt tokens (held-out Python docs) + {args.output_tokens} output tokens each")
+          f"{args.prompt_tokens} prompt tokens (held-out Python docs) + {args.output_tokens} output tokens each; "
+          f"servers on {args.device}")
     print(f"device KV budget {budget / 2**20:.1f} MiB for both modes "
           f"({per_token} B per token without HiSparse); HiSparse config {json.dumps(dataclasses.asdict(config))}")
     if args.ceiling:
@@ -328,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                      "rounds": args.rounds, "min_requests": args.min_requests, "concurrency": levels,
-                     "text": "held-out Python docs"},
+                     "text": "held-out Python docs", "device": args.device},
         "device_kv_budget_bytes": budget, "baseline_bytes_per_token": per_token,
         "hisparse_config": dataclasses.asdict(config), "admitted_at_once": capacity,
         "server_flags": flags, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),

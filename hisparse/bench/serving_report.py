@@ -73,7 +73,8 @@ def markdown_report(report: dict) -> str:
         "",
         f"- workload: {w['rounds']} x concurrency (at least {w.get('min_requests', 1)}) streamed completions per "
         f"level, {w['prompt_tokens']} prompt "
-        f"tokens ({w['text']}) + {w['output_tokens']} output tokens each (ignore_eos)",
+        f"tokens ({w['text']}) + {w['output_tokens']} output tokens each (ignore_eos); servers on "
+        f"{w.get('device', 'cpu')}",
         f"- device KV budget: {report['device_kv_budget_bytes'] / 2**20:.1f} MiB for both; admitted at once: "
         f"baseline {admitted['baseline']}, HiSparse {admitted['hisparse']}"
         + (f", ceiling {admitted['ceiling']} (its own budget)" if "ceiling" in admitted else ""),

@@ -37,7 +37,17 @@ from hisparse.bench.swap_in import (
     make_pools,
     make_top_k,
 )
-from hisparse.cli_args import OneLineParser, comma_list, float_in, int_in, one_of, output_file, positive_float, run_main
+from hisparse.cli_args import (
+    OneLineParser,
+    comma_list,
+    device_flag,
+    float_in,
+    int_in,
+    one_of,
+    output_file,
+    positive_float,
+    run_main,
+)
 from hisparse.kernels.swap_in import TRITON_POLICIES
 from hisparse.memory.eviction import get_policy
 from hisparse.memory.host_memory import check_fits_in_memory
@@ -147,17 +157,6 @@ def time_rows(device: str, batches: list[int], rates: list[float], repeats: int,
             out.append({"batch": batch, "miss_rate": rate, "misses": total, "us_per_call": seconds * 1e6,
                         "gbps": total * pools.row_bytes / seconds / 1e9, "copy_gbps": nbytes / copy / 1e9})
     return out
-
-
-def device_flag(text: str) -> str:
-    """argparse type: cpu, cuda or cuda:N, as torch names them."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cuda, cuda:N or cpu)") from None
-    if device.type not in ("cuda", "cpu"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a CUDA device nor cpu")
-    return text
 
 
 def check_device(device: str) -> None:

@@ -65,8 +65,11 @@ def test_tiny_sweep_writes_consistent_results(tmp_path, capsys):
     assert markdown in capsys.readouterr().out  # the table is printed too
     for name in ("throughput.png", "latency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["workload"]["device"] == "cpu" and "servers on cpu" in markdown
     for mode in ("baseline", "hisparse", "ceiling"):
-        assert "hisparse.launch_server" in (tmp_path / f"server-{mode}.log").read_text()
+        flags = report["server_flags"][mode]
+        assert flags[flags.index("--device") + 1] == "cpu"
+        assert "--device cpu" in (tmp_path / f"server-{mode}.log").read_text()
 
 
 def test_bad_flags_fail_in_one_line_without_starting_servers(tmp_path, capsys):

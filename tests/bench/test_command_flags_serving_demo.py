@@ -7,6 +7,7 @@ check sizes against the context, and each opening of the GGUF costs seconds."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hisparse.cli as hisparse_cli
 from hisparse import demo
@@ -57,6 +58,8 @@ SERVING = [
     (["--device-kv-budget", "1000TiB"], "available"),
     (["--device-kv-budget", "1MiB"], "hot slots"),
     (["--prompt-tokens", "9000"], "model's context"),
+    (["--device", "gpu"], "not a device"),
+    *([] if torch.cuda.is_available() else [(["--device", "cuda"], "no such CUDA device")]),
 ]
 
 
