@@ -2,6 +2,7 @@
 CPU, for the default model and a DSA checkpoint, then the Triton swap-in against a pinned copy.
 
     python -m hisparse.bench.gpu_check [--device cuda] [--prompts 4] [--new-tokens 32] [--tp N] [--out FILE.json]
+                                       [--skip-swap-in] [--skip-serving] [--serving-flags "--concurrency 1,16"]
 
 1. The default model, float32, HiSparse on (a hot buffer smaller than the prompts, so that the swap-in runs
    on the device, Triton's under `--swap-in-backend auto`) and off: the same greedy requests on `--device`
@@ -12,12 +13,16 @@ CPU, for the default model and a DSA checkpoint, then the Triton swap-in against
    weights, bfloat16 latent rows, FP8 indexer keys).
 3. `hisparse.bench.swap_in_cuda`: every Triton policy checked against the reference, then timed against a
    plain pinned host -> device copy of the same bytes.
+4. On a GPU, `hisparse.bench_serving --device cuda` (`--serving-flags`, default `--concurrency 1,16`): both
+   servers on the device, HiSparse / baseline output tokens/s under one device budget, a few minutes. On our
+   CPU both modes' prefill of the same prompts bounds that ratio at c = 16 (1.7x at most); this is where the
+   decode, and so the memory, decides it.
 
 `--tp N` (a machine with N GPUs) also runs each pair's engine over N rank processes on the device kind, one GPU
 each, their collectives through NCCL (the default model tensor-parallel while N is at most its 3 KV heads; the
 DSA model tensor-parallel and with DP attention, its experts split), against the same CPU run.
 
-`--device cpu` runs all of it on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
+`--device cpu` runs steps 1-3 on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
 where the two runs of each pair must agree exactly: the test suite runs it so, so that the script cannot rot
 before a GPU is lent. Exit status 1 when a pair differs on the CPU.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -33,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from hisparse.bench import swap_in_cuda
+from hisparse.bench import serving, swap_in_cuda
 from hisparse.cli_args import OneLineParser, device_flag, int_in, output_file, run_main
 from hisparse.data.pydoc_corpus import heldout_tokens
 from hisparse.engine.engine_config import EngineConfig
@@ -46,6 +52,7 @@ from hisparse.tools import random_checkpoint
 PROG = "python -m hisparse.bench.gpu_check"
 HISPARSE = {"top_k": 32, "device_buffer_size": 64, "host_to_device_ratio": 4}  # buffer below every prompt
 PROMPT_TOKENS = (96, 150, 200, 260)  # cycled over --prompts
+SERVING_FLAGS = ["--concurrency", "1,16"]
 
 
 def greedy_run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
@@ -133,9 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int_in(1, 64), default=4)
     ap.add_argument("--new-tokens", type=int_in(1, 1024), default=32)
     ap.add_argument("--skip-swap-in", action="store_true", help="the engine checks only")
+    ap.add_argument("--skip-serving", action="store_true", help="no serving benchmark (step 4) on the GPU")
+    ap.add_argument("--serving-flags", type=shlex.split, default=SERVING_FLAGS,
+                    help=f'flags for step 4\'s `bench_serving`, one string (default "{shlex.join(SERVING_FLAGS)}")')
     ap.add_argument("--tp", type=int_in(1, 64), default=1, help="also run each engine over this many ranks (GPUs)")
     ap.add_argument("--out", type=output_file, default=None, help="also write the figures as JSON")
     return ap
+
+
+def serving_argv(device: str, flags: list[str], out_dir: Path) -> list[str]:
+    """Step 4's `bench_serving` command line: the flags given, both servers on `device`, results in out_dir."""
+    return [*flags, "--device", device, "--out-dir", str(out_dir)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             swap_in_cuda.check_device(args.device)
     except ValueError as error:
         parser.error(str(error))
+    serving_args = serving_out = None
+    if args.device != "cpu" and not args.skip_serving:
+        serving_out = Path(tempfile.mkdtemp(prefix="hisparse-serving-"))
+        serving_args = serving_argv(args.device, args.serving_flags, serving_out)
+        serving.build_parser().parse_args(serving_args)  # a bad flag fails now, not after steps 1-3
     tokenizer = open_model(None).tokenizer()
     prompts = [heldout_tokens(tokenizer, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], offset=211 * i)
                for i in range(args.prompts)]
@@ -166,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         small = ["--batches", "2", "--miss-rates", "1.0", "--repeats", "1", "--host-gib", "0.0625"]
         swap_in_cuda.main(["--device", args.device, "--out", str(swap_out), *(small if args.device == "cpu" else [])])
         report["swap_in"] = json.loads(swap_out.read_text())
+    if serving_args is not None:
+        status = serving.main(serving_args)
+        report["serving"] = {"exit_status": status, **(json.loads((serving_out / "results.json").read_text())
+                                                        if (serving_out / "results.json").exists() else {})}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hisparse.bench import gpu_check
+from hisparse.bench import gpu_check, serving
 
 
 def test_the_engine_checks_run_and_agree_on_the_cpu(tmp_path, capsys):
@@ -24,3 +24,20 @@ def test_the_engine_checks_run_and_agree_on_the_cpu(tmp_path, capsys):
 def test_a_cuda_run_without_cuda_is_refused_in_one_line(assert_refused, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert_refused(gpu_check.main, ["--device", "cuda"], gpu_check.PROG, "no CUDA device here")
+
+
+def test_the_serving_step_runs_both_servers_on_the_device(tmp_path):
+    argv = gpu_check.serving_argv("cuda:1", gpu_check.SERVING_FLAGS, tmp_path)
+    args = serving.build_parser().parse_args(argv)
+    assert args.device == "cuda:1" and args.concurrency == [1, 16] and args.out_dir == tmp_path
+    # a --device among the flags given cannot move the servers off the device checked
+    assert serving.build_parser().parse_args(gpu_check.serving_argv("cuda", ["--device", "cpu"], tmp_path)).device \
+        == "cuda"
+
+
+def test_bad_serving_flags_are_refused_before_the_engine_checks(assert_refused, monkeypatch, forbid):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    forbid(gpu_check, "open_model", "compare")
+    assert_refused(gpu_check.main, ["--device", "cuda", "--serving-flags", "--concurrency 1,x"], serving.PROG,
+                   "not an integer")
