@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,14 @@ class EngineConfig:
                               ("index_key_format", INDEX_KEY_FORMATS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        index = torch.device(self.device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r} asked for, but this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
         if self.quantization != "none" and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs PyTorch's CPU weight-only kernels: use it with "
                              "device cpu")
@@ -138,8 +145,12 @@ class EngineConfig:
                              "free differs, and every rank must size its cache alike")
 
     def rank_device(self, rank: int) -> str:
-        """The device rank `rank` runs on: the config's, or with several CUDA ranks the GPU of its place on its
-        machine, cuda:<local rank> (NCCL's one rank per GPU)."""
+        """The device rank `rank` runs on: the config's, with a GPU index always (a bare "cuda" is the current
+        GPU: torch.cuda.set_device refuses a device without one, and a model's weights on cuda:0 are not on
+        torch.device("cuda")), or with several CUDA ranks the GPU of its place on its machine, cuda:<local rank>
+        (NCCL's one rank per GPU)."""
+        if self.device == "cuda" and self.tp_size == 1:
+            return f"cuda:{torch.cuda.current_device()}"
         if self.tp_size == 1 or self.device != "cuda":
             return self.device
         count = torch.cuda.device_count()

@@ -68,7 +68,7 @@ class LLMEngine:
         c = self.config
         self.tp = TensorParallel(rank, c.tp_size, dp_attention=c.enable_dp_attention and c.tp_size > 1,
                                  expert_parallel=c.ep_size > 1)
-        self.device = c.device  # with several CUDA ranks, this rank's GPU (`EngineConfig.rank_device`)
+        self.device = c.rank_device(rank) if c.tp_size == 1 else c.device  # with several ranks, set below
         self.workers: WorkerGroup | None = None
         self._pending: list[tuple[str, tuple]] = []  # rank 0: commands the other ranks have not seen yet
         self.placement = Placement(self.dp_size, c.load_balance_method) if self.dp_size > 1 and rank == 0 else None

@@ -58,3 +58,21 @@ def test_the_engine_opens_the_model_file_once_and_loads_it_in_its_dtype(monkeypa
     assert engine.model.layers[0].mlp.gate_up.t.dtype == torch.bfloat16
     assert engine.model.layers[0].attn.indexer.wk.weight.dtype == torch.float32
     assert engine.cache.kv.dtype == torch.bfloat16  # kv_cache_dtype "auto": the model's
+
+
+def test_the_device_is_named_with_its_gpu_index(monkeypatch):
+    """A bare "cuda" runs on the current GPU, named with its index: torch.cuda.set_device refuses a device without
+    one, and a model's weights on cuda:1 are not on torch.device("cuda"). A GPU the machine lacks, or a device that
+    is none, is refused by name."""
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        EngineConfig(device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert EngineConfig(device="cuda").rank_device(0) == "cuda:1"
+    assert EngineConfig(device="cuda:0").rank_device(0) == "cuda:0" and EngineConfig().rank_device(0) == "cpu"
+    with pytest.raises(ValueError, match="'cuda:2' asked for, but this machine has 2 CUDA device"):
+        EngineConfig(device="cuda:2")
+    for device in ("gpu", "cuda:", "cuda:x", 0):
+        with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+            EngineConfig(device=device)
