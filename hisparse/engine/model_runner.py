@@ -46,6 +46,8 @@ class ModelRunner:
         extra = () if rows_per_rank is None else (rows_per_rank,)
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), backend, *extra)
         logits = self.model.compute_logits(hidden[batch.sample_indices.to(self.device)])
+        if self.device.type == "cuda":  # the forward's time, not its launches' (sampling waits for it next anyway)
+            torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         requests = [s.request for s in batch.sample_spans]
         if self.tp.size == 1:
