@@ -12,7 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from hisparse.cli_args import OneLineParser, float_in, positive_int, size_flag
+from hisparse.cli_args import OneLineParser, device_flag, float_in, positive_int, size_flag
 from hisparse.engine.data_parallel import LOAD_BALANCE_METHODS
 from hisparse.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from hisparse.layers.linear import QUANTIZATIONS
@@ -145,7 +145,7 @@ def build_parser(prog: str = "python -m hisparse.launch_server") -> argparse.Arg
                          "(a dense copy serves larger batches): int8 in llama.cpp's Q8_0 blocks of 32, or int4 in "
                          "groups of 32 (the default model's own Q4_1 weights); the LM head in Q8_0 either way. "
                          "Llama models on the CPU")
-    ap.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    ap.add_argument("--device", type=device_flag, default=d.device, help="cpu, cuda or cuda:N")
     ap.add_argument("--disable-adaptive-threads", action="store_true",
                     help="on a CPU, keep every core's thread even while other processes use the cores (by default "
                          "a step runs on the cores they leave, at least one: an OpenMP team waits for its slowest "

@@ -79,6 +79,8 @@ def busy_port():
     (["--hisparse-config", "{}"], "enable_hisparse is off"),
     (["--enable-hisparse", "--disable-sparse-attention"], "sparse_attention"),
     (["--model-path", "/no/such/model.gguf"], "does not exist"),
+    (["--device", "gpu"], "--device: not a device: 'gpu'"),
+    *([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]),
 ])
 def test_bad_flags_fail_with_one_line(capsys, argv, words):
     assert launch_main(argv) == 2
