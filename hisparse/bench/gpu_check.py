@@ -24,7 +24,8 @@ DSA model tensor-parallel and with DP attention, its experts split), against the
 
 `--device cpu` runs steps 1-3 on the CPU (the swap-in through the Triton interpreter, TRITON_INTERPRET=1),
 where the two runs of each pair must agree exactly: the test suite runs it so, so that the script cannot rot
-before a GPU is lent. Exit status 1 when a pair differs on the CPU.
+before a GPU is lent. A step that fails is reported and the next runs; exit status 1 when one failed, or when a
+pair differs on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -169,33 +171,65 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = open_model(None).tokenizer()
     prompts = [heldout_tokens(tokenizer, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], offset=211 * i)
                for i in range(args.prompts)]
-    report: dict = {"device": args.device, "engine": []}
-    report["engine"] += compare("default", None, args.device, prompts, args.new_tokens, args.tp)
-    with tempfile.TemporaryDirectory(prefix="hisparse-gpu-check-") as folder:
-        random_checkpoint.main(["--arch", "glm-5", "--out", folder, "--layers", "2", "--index-topk", "32",
-                                "--dtype", "float32"])
-        report["engine"] += compare("random glm-5", folder, args.device, prompts, args.new_tokens, args.tp)
-    print(f"{'model':<14}{'mode':<10}{'on':<14}{'tokens as on the cpu':>22}{'first diff':>11}{'cpu step ms':>12}"
-          f"{'device step ms':>15}")
-    for r in report["engine"]:
-        diff = "" if r["first_difference"] is None else str(r["first_difference"])
-        print(f"{r['model']:<14}{r['mode']:<10}{r['on']:<14}{r['equal']:>12} of {r['requests']:<6}{diff:>11}"
-              f"{r['cpu_step_ms']:>12.1f}{r['device_step_ms']:>15.1f}")
-    if not args.skip_swap_in:
+    report: dict = {"device": args.device, "engine": [], "failed": {}}
+
+    def default_model() -> None:
+        report["engine"] += compare("default", None, args.device, prompts, args.new_tokens, args.tp)
+
+    def dsa_model() -> None:
+        with tempfile.TemporaryDirectory(prefix="hisparse-gpu-check-") as folder:
+            random_checkpoint.main(["--arch", "glm-5", "--out", folder, "--layers", "2", "--index-topk", "32",
+                                    "--dtype", "float32"])
+            report["engine"] += compare("random glm-5", folder, args.device, prompts, args.new_tokens, args.tp)
+
+    def swap_in() -> None:
         swap_out = Path(tempfile.mkdtemp(prefix="hisparse-swap-in-")) / "swap_in.json"
         small = ["--batches", "2", "--miss-rates", "1.0", "--repeats", "1", "--host-gib", "0.0625"]
         swap_in_cuda.main(["--device", args.device, "--out", str(swap_out), *(small if args.device == "cpu" else [])])
         report["swap_in"] = json.loads(swap_out.read_text())
-    if serving_args is not None:
-        status = serving.main(serving_args)
-        report["serving"] = {"exit_status": status, **(json.loads((serving_out / "results.json").read_text())
-                                                        if (serving_out / "results.json").exists() else {})}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    mismatched = [r for r in report["engine"] if r["equal"] != r["requests"]]
-    return 1 if mismatched and args.device == "cpu" else 0
 
+    def serving_levels() -> None:
+        status = serving.main(serving_args)
+        results = serving_out / "results.json"
+        report["serving"] = json.loads(results.read_text()) if results.exists() else {}
+        if status:
+            raise RuntimeError(f"bench_serving exited with status {status}")
+
+    steps = {"default model": default_model, "random glm-5": dsa_model}
+    if not args.skip_swap_in:
+        steps["swap-in"] = swap_in
+    if serving_args is not None:
+        steps["serving"] = serving_levels
+    for name, step in steps.items():
+        run_step(report, name, step, args.out)
+        if name == "random glm-5":
+            print_engine_rows(report["engine"])
+    mismatched = [r for r in report["engine"] if r["equal"] != r["requests"]]
+    return 1 if report["failed"] or (mismatched and args.device == "cpu") else 0
+
+
+def run_step(report: dict, name: str, step, out: Path | None) -> None:
+    """One step of the script; one that raises is reported (its traceback on stderr, its error in the report) and
+    the next still runs: a lent GPU's minutes cannot be had again. The report is written after every step, so a
+    call that runs out of time keeps what it measured."""
+    try:
+        step()
+    except Exception as error:
+        traceback.print_exc()
+        report["failed"][name] = f"{type(error).__name__}: {error}"
+        print(f"{PROG}: step {name!r} failed: {report['failed'][name]}", file=sys.stderr)
+    if out:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out} (after {name})")
+
+
+def print_engine_rows(rows: list[dict]) -> None:
+    print(f"{'model':<14}{'mode':<10}{'on':<14}{'tokens as on the cpu':>22}{'first diff':>11}{'cpu step ms':>12}"
+          f"{'device step ms':>15}")
+    for r in rows:
+        diff = "" if r["first_difference"] is None else str(r["first_difference"])
+        print(f"{r['model']:<14}{r['mode']:<10}{r['on']:<14}{r['equal']:>12} of {r['requests']:<6}{diff:>11}"
+              f"{r['cpu_step_ms']:>12.1f}{r['device_step_ms']:>15.1f}")
 
 if __name__ == "__main__":
     sys.exit(run_main(main, prog=PROG))

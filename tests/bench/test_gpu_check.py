@@ -41,3 +41,24 @@ def test_bad_serving_flags_are_refused_before_the_engine_checks(assert_refused, 
     forbid(gpu_check, "open_model", "compare")
     assert_refused(gpu_check.main, ["--device", "cuda", "--serving-flags", "--concurrency 1,x"], serving.PROG,
                    "not an integer")
+
+
+def test_a_failing_step_is_reported_and_the_next_still_runs(tmp_path, capsys, monkeypatch, opened_model):
+    """On a lent GPU every step is minutes that cannot be had again: one that raises must not cost the others."""
+    opened_model(gpu_check)
+
+    def compare(name, *args):
+        if name == "default":
+            raise RuntimeError("boom")
+        return [{"model": name, "mode": "baseline", "on": "cpu", "equal": 1, "requests": 1, "first_difference": None,
+                 "cpu_step_ms": 1.0, "device_step_ms": 1.0}]
+
+    monkeypatch.setattr(gpu_check, "compare", compare)
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--device", "cpu", "--skip-swap-in", "--prompts", "1", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["failed"] == {"default model": "RuntimeError: boom"}
+    assert [r["model"] for r in report["engine"]] == ["random glm-5"]  # the step after the failure ran
+    captured = capsys.readouterr()
+    assert "step 'default model' failed: RuntimeError: boom" in captured.err and "Traceback" in captured.err
+    assert "random glm-5" in captured.out
