@@ -7,18 +7,33 @@ from __future__ import annotations
 import json
 
 from hisparse.bench import gpu_check, serving
+from hisparse.data.pydoc_corpus import heldout_tokens
+from hisparse.models.loader import open_model
+from hisparse.tools import random_checkpoint
 
 
 def test_the_engine_checks_run_and_agree_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skip-swap-in", "--tp", "2",
+    assert gpu_check.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skip-swap-in",
                            "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {(r["model"], r["mode"], r["on"]): r for r in report["engine"]}
-    assert set(rows) == {(m, mode, on) for m in ("default", "random glm-5") for mode in ("baseline", "hisparse")
-                         for on in ("cpu", "cpu x tp 2", *(["cpu x dp 2"] if m != "default" else []))}
+    assert set(rows) == {(m, mode, "cpu") for m in ("default", "random glm-5") for mode in ("baseline", "hisparse")}
     assert all(r["equal"] == r["requests"] == 2 and r["first_difference"] is None for r in rows.values())
-    assert "tokens as on the cpu" in capsys.readouterr().out
+    assert report["failed"] == {} and "tokens as on the cpu" in capsys.readouterr().out
+
+
+def test_each_parallel_split_gives_one_ranks_tokens(tmp_path):
+    """`--tp 2` on the DSA model: tensor parallel and DP attention, each over two rank processes (the default
+    model's split, tensor parallel alone, is tests/engine/test_tensor_parallel.py's)."""
+    tokenizer = open_model(None).tokenizer()
+    prompts = [heldout_tokens(tokenizer, n, offset=211 * i) for i, n in enumerate(gpu_check.PROMPT_TOKENS[:2])]
+    random_checkpoint.main(["--arch", "glm-5", "--out", str(tmp_path), "--layers", "2", "--index-topk", "32",
+                            "--dtype", "float32"])
+    rows = gpu_check.compare("random glm-5", str(tmp_path), "cpu", prompts, 4, tp=2)
+    assert {(r["mode"], r["on"]) for r in rows} == {(mode, on) for mode in ("baseline", "hisparse")
+                                                    for on in ("cpu", "cpu x tp 2", "cpu x dp 2")}
+    assert all(r["equal"] == r["requests"] == 2 and r["first_difference"] is None for r in rows)
 
 
 def test_a_cuda_run_without_cuda_is_refused_in_one_line(assert_refused, monkeypatch):
