@@ -18,7 +18,7 @@ pins=$("$PY" -m pip list --format=freeze 2>/dev/null \
        | grep -iE '^(fastapi|starlette|pydantic|pydantic[-_]core|annotated[-_]types|annotated[-_]doc|typing[-_]inspection|uvicorn|gguf|opentelemetry[-_]api|typing[-_]extensions)==' || true)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .kit/wheels $pins opentelemetry-api annotated-doc typing-inspection 2>&1 | grep -v "^WARNING: Location" || true
+    -d .kit/wheels $pins 2>&1 | grep -v "^WARNING: Location" || true
 ls .kit/model.part* | xargs -n1 basename | sed 's/^/part /' >> .kit/manifest
 echo "built .kit/: $(ls .kit/model.part* | wc -l) model parts of at most ${PART_MIB} MiB, $(ls .kit/wheels | wc -l) wheels"
 du -sh .kit/model.part* .kit/wheels

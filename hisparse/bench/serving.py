@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from hisparse.bench.serving_client import LevelRun, run_level
@@ -67,7 +66,7 @@ from hisparse.cli_args import (
     positive_int,
     size_flag,
 )
-from hisparse.engine.engine_config import resolve_model_dtype
+from hisparse.engine.engine_config import check_device, resolve_model_dtype
 from hisparse.formats.kv_layout import KVLayout
 from hisparse.memory.hisparse_pools import PoolSizing
 from hisparse.models.loader import ModelFiles, open_model
@@ -223,11 +222,6 @@ def level_in_turns(servers: dict[str, ServerProcess], model: str, prompts: list[
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def cuda_device_exists(device: str) -> bool:
-    index = int(device.partition(":")[2] or 0)
-    return torch.cuda.is_available() and index < torch.cuda.device_count()
-
-
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -247,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     if max(per_level.values()) > MAX_LEVEL_REQUESTS:
         parser.error(f"--rounds {args.rounds} x --concurrency {levels[-1]} = {args.rounds * levels[-1]} requests at "
                      f"a level, more than {MAX_LEVEL_REQUESTS}")
-    if args.device != "cpu" and not cuda_device_exists(args.device):
-        return _fail(f"--device {args.device}: no such CUDA device on this machine")
+    try:
+        check_device(args.device)
+    except ValueError as error:
+        return _fail(f"--device {args.device}: no such CUDA device on this machine ({error})")
     try:
         files = open_model(None)  # seconds: its tokenizer comes from it later
         layout, index_key, max_context = default_model_shape(files, args.device)

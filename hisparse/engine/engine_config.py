@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
+from hisparse.cli_args import DEVICE
 from hisparse.engine.data_parallel import LOAD_BALANCE_METHODS
 from hisparse.layers.linear import QUANTIZATIONS
 from hisparse.memory.host_memory import GIB
@@ -95,14 +95,7 @@ class EngineConfig:
                               ("index_key_format", INDEX_KEY_FORMATS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device != "cpu" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
-        index = torch.device(self.device).index
-        if index is not None and index >= torch.cuda.device_count():
-            raise ValueError(f"device {self.device!r} asked for, but this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
+        check_device(self.device)
         if self.quantization != "none" and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs PyTorch's CPU weight-only kernels: use it with "
                              "device cpu")
@@ -149,10 +142,10 @@ class EngineConfig:
         GPU: torch.cuda.set_device refuses a device without one, and a model's weights on cuda:0 are not on
         torch.device("cuda")), or with several CUDA ranks the GPU of its place on its machine, cuda:<local rank>
         (NCCL's one rank per GPU)."""
-        if self.device == "cuda" and self.tp_size == 1:
-            return f"cuda:{torch.cuda.current_device()}"
-        if self.tp_size == 1 or self.device != "cuda":
+        if self.device != "cuda":
             return self.device
+        if self.tp_size == 1:
+            return f"cuda:{torch.cuda.current_device()}"
         count = torch.cuda.device_count()
         if count < self.ranks_per_node:
             raise ValueError(f"tp_size {self.tp_size} puts {self.ranks_per_node} ranks on this machine, one per GPU, "
@@ -199,6 +192,18 @@ class EngineConfig:
             return budget
         free, _ = torch.cuda.mem_get_info()
         return int(0.85 * free) - weight_bytes
+
+
+def check_device(device: object) -> None:
+    """ValueError unless `device` names cpu or a CUDA device this machine has (cuda: its current one)."""
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
 
 
 def resolve_model_dtype(dtype: str = "auto", device: str = "cpu") -> torch.dtype:
